@@ -1,0 +1,160 @@
+"""The one place for Kimi-K2.5 vision constants: token ids, the media (resize) rule, the encoder shape.
+
+Values default to the released Kimi-K2.5 checkpoint (`../shared/docs/kimi_k25_reference.md` §1.1, §2.1,
+§3.1). A checkpoint directory overrides them through `load_checkpoint_config`, which reads both the
+original config names (`vt_*`, `media_placeholder_token_id`) and what transformers writes
+(`vision_config.hidden_size`, `image_token_id`, `text_config.hidden_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """Special-token ids the vision path needs. `media_pad` is the one placeholder per image."""
+
+    media_pad: int = 163605
+    media_begin: int = 163602
+    media_content: int = 163603
+    media_end: int = 163604
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """The checkpoint processor's `media_proc_cfg` (preprocessor_config.json)."""
+
+    patch_size: int = 14
+    merge_kernel_size: int = 2
+    in_patch_limit: int = 16384
+    patch_limit_on_one_side: int = 512
+    in_patch_limit_each_frame: int = 4096
+    temporal_merge_kernel_size: int = 4
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @property
+    def pad_multiple(self) -> int:
+        """Resized images are zero-padded bottom/right up to a multiple of this many pixels."""
+        return self.patch_size * self.merge_kernel_size
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """MoonViT3d tower + patch-merger projector. Names follow the checkpoint's vision config."""
+
+    patch_size: int = 14
+    hidden_size: int = 1152
+    num_layers: int = 27
+    num_heads: int = 16
+    intermediate_size: int = 4304
+    init_pos_emb_height: int = 64
+    init_pos_emb_width: int = 64
+    init_pos_emb_time: int = 4
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    rope_theta: float = 10000.0
+    rope_max_height: int = 512
+    rope_max_width: int = 512
+    text_hidden_size: int = 7168
+    layer_norm_eps: float = 1e-5
+    projector_ln_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_tokens(self) -> int:
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.head_dim % 4:
+            # 2-D RoPE gives a quarter of each head to (x, y) frequency pairs.
+            raise ValueError(f"head_dim {self.head_dim} must be a multiple of 4 for 2-D RoPE")
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Everything the three backends need to agree on."""
+
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    media: MediaConfig = field(default_factory=MediaConfig)
+    tokens: TokenIds = field(default_factory=TokenIds)
+    torch_dtype: str = "bfloat16"
+
+
+# The embedded default: the real K2.5 preprocessing rule and token ids with a tiny MoonViT3d
+# (2 layers, 64 wide) so that `make run` and the tests finish in seconds on 2 CPU cores.
+# Its weights are seeded random (backends/weights/demo.py): a pipeline demo, not a trained model.
+DEMO_CONFIG = VisionConfig(
+    encoder=EncoderConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=160, text_hidden_size=256),
+    torch_dtype="float32",
+)
+
+
+def _pick(d: dict, *names, default=None):
+    for name in names:
+        if name in d and d[name] is not None:
+            return d[name]
+    return default
+
+
+def parse_config_json(cfg: dict, preprocessor: dict | None = None) -> VisionConfig:
+    """Build a VisionConfig from a checkpoint's config.json (and preprocessor_config.json) dicts."""
+    vc = cfg.get("vision_config") or {}
+    tc = cfg.get("text_config") or {}
+    base = EncoderConfig()
+    merge = _pick(vc, "merge_kernel_size", default=list(base.merge_kernel_size))
+    if isinstance(merge, int):
+        merge = [merge, merge]
+    rope = vc.get("rope_parameters") or {}
+    encoder = EncoderConfig(
+        patch_size=int(_pick(vc, "patch_size", default=base.patch_size)),
+        hidden_size=int(_pick(vc, "vt_hidden_size", "hidden_size", default=base.hidden_size)),
+        num_layers=int(_pick(vc, "vt_num_hidden_layers", "num_hidden_layers", default=base.num_layers)),
+        num_heads=int(_pick(vc, "vt_num_attention_heads", "num_attention_heads", default=base.num_heads)),
+        intermediate_size=int(_pick(vc, "vt_intermediate_size", "intermediate_size", default=base.intermediate_size)),
+        init_pos_emb_height=int(_pick(vc, "init_pos_emb_height", "pos_emb_height", default=base.init_pos_emb_height)),
+        init_pos_emb_width=int(_pick(vc, "init_pos_emb_width", "pos_emb_width", default=base.init_pos_emb_width)),
+        init_pos_emb_time=int(_pick(vc, "init_pos_emb_time", "pos_emb_time", default=base.init_pos_emb_time)),
+        merge_kernel_size=(int(merge[0]), int(merge[1])),
+        rope_theta=float(_pick(rope, "rope_theta", default=base.rope_theta)),
+        text_hidden_size=int(_pick(vc, "text_hidden_size", default=_pick(tc, "hidden_size", default=base.text_hidden_size))),
+        projector_ln_eps=float(_pick(vc, "projector_ln_eps", default=_pick(cfg, "projection_layer_norm_eps", default=1e-5))),
+    )
+    tokens = TokenIds(
+        media_pad=int(_pick(cfg, "media_placeholder_token_id", "image_token_id", default=TokenIds.media_pad)),
+    )
+    media = MediaConfig(patch_size=encoder.patch_size, merge_kernel_size=encoder.merge_kernel_size[0])
+    if preprocessor:
+        proc = preprocessor.get("media_proc_cfg", preprocessor)
+        overrides = {}
+        for key in ("patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side",
+                    "in_patch_limit_each_frame", "temporal_merge_kernel_size"):
+            if proc.get(key) is not None:
+                value = proc[key]
+                overrides[key] = int(value[0] if isinstance(value, (list, tuple)) else value)
+        for key in ("image_mean", "image_std"):
+            if proc.get(key) is not None:
+                overrides[key] = tuple(float(v) for v in proc[key])
+        media = dataclasses.replace(media, **overrides)
+    dtype = str(_pick(cfg, "torch_dtype", "dtype", default=_pick(vc, "torch_dtype", default="bfloat16")))
+    return VisionConfig(encoder=encoder, media=media, tokens=tokens, torch_dtype=dtype)
+
+
+def load_checkpoint_config(checkpoint_dir: str | Path) -> VisionConfig:
+    """Read `config.json` (required) and `preprocessor_config.json` (optional) from a checkpoint dir."""
+    root = Path(checkpoint_dir)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"checkpoint {root} has no config.json")
+    cfg = json.loads(config_path.read_text())
+    pre_path = root / "preprocessor_config.json"
+    preprocessor = json.loads(pre_path.read_text()) if pre_path.is_file() else None
+    return parse_config_json(cfg, preprocessor)

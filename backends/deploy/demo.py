@@ -1,0 +1,44 @@
+"""`make run`: start tritonserver on the embedded default, send one sample request through the
+ensemble, print the answer, stop the server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from backends.deploy.repository import Deployment, render_repository
+from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port, resolve_device
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import sample_images
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-{device}")
+    what = f"checkpoint {args.checkpoint}" if args.checkpoint else "the embedded demo model (seeded random weights, untrained)"
+    print(f"starting tritonserver ({device}) with {what} ...", flush=True)
+    t0 = time.monotonic()
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          cuda_pool_bytes=default_pool_bytes(device))
+    with server:
+        print(f"ready in {time.monotonic() - t0:.1f}s (log: {server.log_path})")
+        images = sample_images()
+        ids = chat_prompt_ids(len(images))
+        client = KimiVisionClient(server.grpc_url, protocol="grpc")
+        t1 = time.monotonic()
+        result = client.infer(ids, images)
+        elapsed = time.monotonic() - t1
+        client.close()
+        print(f"request: {len(ids)} prompt ids, {len(images)} images (640x480 JPEG, 300x200 PNG) over gRPC, "
+              f"answered in {elapsed * 1000:.0f} ms")
+        print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

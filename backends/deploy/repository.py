@@ -1,0 +1,176 @@
+"""The model repository's single source of truth: every config.pbtxt is rendered from `Deployment`.
+
+The CPU and GPU deployments differ only in settings derived here (instance kind, tensor dtypes, GPU
+input placement), never in hand-copied files. `model_repository/` in git holds the model.py adapters
+plus the CPU rendering of the embedded default (so the configs can be read and diffed); servers run
+from a fresh rendering under build/ (`python -m backends.deploy.repository --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.config import DEMO_CONFIG, VisionConfig, load_checkpoint_config
+from backends.preprocess.pipeline import Limits
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
+ENSEMBLE = "kimi_k25_vision"
+PLACEHOLDER, PREPROCESS, ENCODER = "kimi_placeholder", "kimi_preprocess", "moonvit3d"
+MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    device: str = "cpu"  # "cpu" or "gpu"
+    checkpoint: str = ""  # empty: the embedded demo model
+    limits: Limits = field(default_factory=Limits)
+    encoder_instances: int = 1
+    preprocess_instances: int = 1
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+
+    @property
+    def vision(self) -> VisionConfig:
+        return load_checkpoint_config(self.checkpoint) if self.checkpoint else DEMO_CONFIG
+
+    @property
+    def float_type(self) -> str:
+        """Pixels and embeddings: FP32 on CPU, BF16 on GPU."""
+        return "TYPE_BF16" if self.device == "gpu" else "TYPE_FP32"
+
+    @property
+    def kind(self) -> str:
+        return "KIND_GPU" if self.device == "gpu" else "KIND_CPU"
+
+
+def _tensor(name, dtype, dims, optional=False):
+    t = {"name": name, "data_type": dtype, "dims": dims}
+    if optional:
+        t["optional"] = True
+    return t
+
+
+def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int) -> dict:
+    params = {
+        "checkpoint": dep.checkpoint,
+        "max_images": str(dep.limits.max_images),
+        "max_patches": str(dep.limits.max_patches),
+        "max_image_pixels": str(dep.limits.max_image_pixels),
+        # GPU instances take their inputs where the previous step left them (no host round-trip).
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
+    }
+    return {
+        "name": name,
+        "backend": "python",
+        "max_batch_size": 0,
+        "input": inputs,
+        "output": outputs,
+        "instance_group": [{"kind": kind, "count": count}],
+        "parameters": {k: {"string_value": v} for k, v in params.items()},
+    }
+
+
+def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
+    """name -> ModelConfig for the four models of one deployment."""
+    p = dep.vision.encoder.patch_size
+    hidden = dep.vision.encoder.text_hidden_size
+    fp = dep.float_type
+    dicts = {
+        PLACEHOLDER: _python_model(
+            dep, PLACEHOLDER,
+            [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1])],
+            [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1])],
+            kind="KIND_CPU", count=1,  # id arithmetic and header reads: no GPU work
+        ),
+        PREPROCESS: _python_model(
+            dep, PREPROCESS,
+            [_tensor("IMAGES", "TYPE_STRING", [-1]),
+             # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
+             _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1], optional=True)],
+            [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
+            kind=dep.kind, count=dep.preprocess_instances,
+        ),
+        ENCODER: _python_model(
+            dep, ENCODER,
+            [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
+            [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
+            kind=dep.kind, count=dep.encoder_instances,
+        ),
+        ENSEMBLE: {
+            "name": ENSEMBLE,
+            "platform": "ensemble",
+            "max_batch_size": 0,
+            "input": [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1])],
+            "output": [
+                _tensor("EXPANDED_IDS", "TYPE_INT64", [-1]),
+                _tensor("IMAGE_EMBEDS", fp, [-1, hidden]),
+                _tensor("GRID_THWS", "TYPE_INT64", [-1, 3]),
+                _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1]),
+            ],
+            "ensemble_scheduling": {"step": [
+                {"model_name": PLACEHOLDER, "model_version": -1,
+                 "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES"},
+                 "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"}},
+                {"model_name": PREPROCESS, "model_version": -1,
+                 "input_map": {"IMAGES": "IMAGES", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
+                 "output_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"}},
+                {"model_name": ENCODER, "model_version": -1,
+                 "input_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"},
+                 "output_map": {"IMAGE_EMBEDS": "IMAGE_EMBEDS"}},
+            ]},
+        },
+    }
+    return {name: json_format.ParseDict(d, mc.ModelConfig()) for name, d in dicts.items()}
+
+
+def render_config(config: mc.ModelConfig) -> str:
+    header = "# Rendered by backends/deploy/repository.py from one Deployment; edit that file, not this one.\n"
+    return header + text_format.MessageToString(config)
+
+
+def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path:
+    """Write a complete, loadable model repository for `dep` to `out` (model.py files copied)."""
+    out = Path(out)
+    if clean and out.exists():
+        shutil.rmtree(out)
+    for name, config in model_configs(dep).items():
+        version = out / name / "1"
+        version.mkdir(parents=True, exist_ok=True)
+        (out / name / "config.pbtxt").write_text(render_config(config))
+        for src in (SOURCE_REPOSITORY / name / "1").iterdir():
+            if src.is_file():
+                shutil.copy2(src, version / src.name)
+    return out
+
+
+def write_source_configs() -> None:
+    """Refresh the committed CPU configs of the embedded default in model_repository/."""
+    for name, config in model_configs(Deployment()).items():
+        (SOURCE_REPOSITORY / name / "config.pbtxt").write_text(render_config(config))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--checkpoint", default="")
+    ap.add_argument("--out", type=Path, help="render a full repository here")
+    ap.add_argument("--write-source", action="store_true", help="refresh model_repository/*/config.pbtxt")
+    args = ap.parse_args(argv)
+    if args.write_source:
+        write_source_configs()
+    if args.out:
+        print(render_repository(Deployment(device=args.device, checkpoint=args.checkpoint), args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

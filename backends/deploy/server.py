@@ -1,0 +1,203 @@
+"""Start the real tritonserver shipped in the `nvidia-pytriton` wheel on a rendered model repository.
+
+What it takes (../shared/docs/triton_notes.md §1): a backend folder holding the Python backend and the
+stub built for the running Python (symlinked, so the stub finds its CUDA runtime); our interpreter's
+libpython first on LD_LIBRARY_PATH (a second system libpython breaks `_ssl`); the virtualenv's
+site-packages and the repo root on PYTHONPATH so the stub imports torch, numpy and `backends`.
+
+`python -m backends.deploy.server` serves in the foreground until Ctrl-C; tests and `make run` use
+`TritonServer` as a context manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
+
+BUILD = REPO_ROOT / "build"
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytriton_root() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+def pytriton_libs() -> Path:
+    import pytriton
+
+    return Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+
+
+def prepare_backend_dir(dest: Path) -> Path:
+    """dest/python/ with libtriton_python.so, triton_python_backend_utils.py and this Python's stub."""
+    root = pytriton_root()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    py = dest / "python"
+    py.mkdir(parents=True, exist_ok=True)
+    for src in (root / "backends" / "python" / "libtriton_python.so",
+                root / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        link = py / src.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
+    return dest
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(pytriton_libs()), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    site = sysconfig.get_paths()["purelib"]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), site, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A tritonserver process on `repository`; `start()` returns once /v2/health/ready answers 200."""
+
+    def __init__(self, repository: Path, *, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 log_path: Path | None = None, cuda_pool_bytes: int | None = None, extra_args: tuple[str, ...] = ()):
+        self.repository = Path(repository).resolve()
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.log_path = Path(log_path) if log_path else BUILD / f"tritonserver-{http_port}.log"
+        self.cuda_pool_bytes = cuda_pool_bytes
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def command(self) -> list[str]:
+        backend_dir = prepare_backend_dir(BUILD / "backends")
+        cmd = [
+            str(pytriton_root() / "bin" / "tritonserver"),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backend_dir.resolve()}",
+            f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+            "--strict-readiness=true", "--exit-on-error=true", "--disable-auto-complete-config",
+            # Production: no dynamic loading (it would allow arbitrary code from the repository path).
+            "--model-control-mode=none",
+        ]
+        if self.cuda_pool_bytes:
+            cmd.append(f"--cuda-memory-pool-byte-size=0:{self.cuda_pool_bytes}")
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = None if stream_log else open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} while starting; "
+                                   f"log: {self.log_path}\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s; log: {self.log_path}\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        # SIGINT lets tritonserver unload models and stop the Python stubs it started.
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self):
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "gpu" if gpu_available() else "cpu"
+    return device
+
+
+def default_pool_bytes(device: str) -> int | None:
+    # Intermediates between ensemble steps live in this pool; too small a pool silently hands the
+    # next step zeros (triton_notes §3). 2 GiB holds ~50 worst-case BF16 images in flight.
+    return 2 << 30 if device == "gpu" else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Serve the Kimi-K2.5 vision ensemble in the foreground.")
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-{device}")
+    server = TritonServer(repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                          cuda_pool_bytes=default_pool_bytes(device))
+    print(f"rendered {device} repository at {repo}; starting tritonserver (HTTP {args.http_port}, "
+          f"gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
+    proc = subprocess.Popen(server.command(), env=server_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        return proc.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

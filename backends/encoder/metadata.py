@@ -1,0 +1,100 @@
+"""Per-forward metadata, computed once on the host and shared by all layers (reference doc §5.3).
+
+`grid_thws` never goes to the device: sequence lengths, max_seqlen, the RoPE angle table and the merge
+layout are derived from the host copy, so no layer ever has to sync the device to learn a shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.config import EncoderConfig
+
+
+def as_grid_list(grid_thws) -> list[tuple[int, int, int]]:
+    """Host (t, h, w) triples from a list, numpy array or CPU tensor. Refuses device tensors."""
+    if isinstance(grid_thws, torch.Tensor):
+        if grid_thws.device.type != "cpu":
+            raise ValueError("grid_thws must stay on the host; a device copy costs a sync per read")
+        grid_thws = grid_thws.numpy()
+    arr = np.asarray(grid_thws, dtype=np.int64).reshape(-1, 3)
+    return [(int(t), int(h), int(w)) for t, h, w in arr]
+
+
+def rope_angles_table(cfg: EncoderConfig, h: int, w: int) -> torch.Tensor:
+    """(h*w, head_dim/2) complex64 rotations for an h x w patch grid, raster order.
+
+    Complex slot 2i rotates by column * f_i and slot 2i+1 by row * f_i, f_i = theta^(-4i/head_dim).
+    Built with the same float32 ops as the reference table (positions as float, outer product,
+    polar), so each entry equals the reference's bit for bit.
+    """
+    if not (1 <= h <= cfg.rope_max_height and 1 <= w <= cfg.rope_max_width):
+        raise ValueError(f"patch grid {h}x{w} exceeds the RoPE table {cfg.rope_max_height}x{cfg.rope_max_width}")
+    dim = cfg.head_dim
+    dim_range = torch.arange(0, dim, 4)[: dim // 4].float()
+    freqs = 1.0 / (cfg.rope_theta ** (dim_range / dim))
+    flat = torch.arange(h * w)
+    # Reference positions come from a 512-wide flat index; x = i % W, y = i // W give the same values.
+    x_pos = (flat % w).float()
+    y_pos = (flat // w).float()
+    x_cis = torch.polar(torch.ones(h * w, dim // 4), torch.outer(x_pos, freqs).float())
+    y_cis = torch.polar(torch.ones(h * w, dim // 4), torch.outer(y_pos, freqs).float())
+    return torch.stack([x_cis, y_cis], dim=-1).reshape(h * w, dim // 2)
+
+
+@dataclass
+class ForwardMetadata:
+    """Everything shape-dependent for one encoder forward over a packed batch of media."""
+
+    grids: list[tuple[int, int, int]]
+    seq_lens: list[int]  # t*h*w per media (host)
+    max_seqlen: int  # host int: attention kernels need it without reading the device
+    cu_seqlens: torch.Tensor  # (M+1,) int32 on device
+    rope: torch.Tensor  # (sum t*h*w, head_dim/2) complex64 on device
+    token_counts: list[int]  # merged tokens per media (host)
+
+    @property
+    def num_patches(self) -> int:
+        return sum(self.seq_lens)
+
+
+_ROPE_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _rope_for_grid(cfg: EncoderConfig, h: int, w: int) -> torch.Tensor:
+    key = (cfg.head_dim, cfg.rope_theta, h, w)
+    table = _ROPE_CACHE.get(key)
+    if table is None:
+        if len(_ROPE_CACHE) > 256:
+            _ROPE_CACHE.clear()
+        table = _ROPE_CACHE[key] = rope_angles_table(cfg, h, w)
+    return table
+
+
+def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
+    grids = as_grid_list(grid_thws)
+    kh, kw = cfg.merge_kernel_size
+    for t, h, w in grids:
+        if t < 1 or t > cfg.init_pos_emb_time:
+            raise ValueError(f"media with t={t} frames; the encoder takes 1..{cfg.init_pos_emb_time} frames per chunk")
+        if h % kh or w % kw:
+            raise ValueError(f"grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
+    seq_lens = [t * h * w for t, h, w in grids]
+    cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+    device = torch.device(device)
+    if grids:
+        rope = torch.cat([_rope_for_grid(cfg, h, w).repeat(t, 1) for t, h, w in grids])
+    else:
+        rope = torch.empty((0, cfg.head_dim // 2), dtype=torch.complex64)
+    return ForwardMetadata(
+        grids=grids,
+        seq_lens=seq_lens,
+        max_seqlen=max(seq_lens, default=0),
+        cu_seqlens=torch.from_numpy(cu).to(device, non_blocking=True),
+        rope=rope.to(device, non_blocking=True),
+        token_counts=[(h // kh) * (w // kw) for _, h, w in grids],
+    )

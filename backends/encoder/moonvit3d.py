@@ -1,0 +1,192 @@
+"""MoonViT3d (the Kimi-K2.5 vision tower) and its patch-merger projector, top to bottom.
+
+Module and parameter names are the original checkpoint's (`vision_tower.encoder.blocks.N.wqkv`, ...),
+so the original layout loads without renaming. Math follows reference doc §3:
+
+    x = Linear_588->D(pixels) + bicubic(pos_emb)[h, w] (+ sincos time for t > 1)
+    27 x [ x += wo(Attn(RoPE2D(wqkv(LN0 x)))) ;  x += fc1(gelu_tanh(fc0(LN1 x))) ]
+    x = final_layernorm(x)
+    tokens = mean over t of 2x2 blocks -> (h/2 * w/2, 4, D)        # tpool_patch_merger
+    out = proj.2(gelu(proj.0(LN(tokens).view(-1, 4D))))             # (tokens, text_hidden)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.config import EncoderConfig
+from backends.encoder.attention import pick_backend, varlen_attention
+from backends.encoder.metadata import ForwardMetadata, build_metadata
+
+
+def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
+    """(frames, dim) float32: [sin(p * w_k), cos(p * w_k)] with w_k = 10000^(-2k/dim)."""
+    omega = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    angles = torch.outer(torch.arange(frames, dtype=torch.float32), omega)
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+def apply_rope_portable(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (L, H, D); freqs: (L, D/2) complex64. Adjacent pairs (x[2j], x[2j+1]) are rotated in fp32."""
+    def rotate(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs[:, None, :]).flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+class PosEmbDivided(nn.Module):
+    """Learnable (H0, W0, D) grid, bicubically resized to each media's (h, w); sincos over time."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.hidden_size))
+        self.register_buffer("time_weight", sincos_time_table(cfg.hidden_size, cfg.init_pos_emb_time), persistent=False)
+
+    def grid(self, h: int, w: int) -> torch.Tensor:
+        """(h*w, D) in the weight's dtype. No antialias, align_corners=False, as the reference."""
+        if (h, w) == tuple(self.weight.shape[:2]):
+            return self.weight.flatten(0, 1)
+        resized = F.interpolate(self.weight.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
+        return resized[0].permute(1, 2, 0).flatten(0, 1)
+
+    def forward(self, x: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        parts = []
+        for t, h, w in grids:
+            pos = self.grid(h, w)
+            if t > 1:  # frame 0 of a chunk gets [0..0, 1..1]; single images get no time term
+                pos = (pos[None] + self.time_weight[:t, None, :]).flatten(0, 1)
+            parts.append(pos.to(x.dtype))
+        return x + torch.cat(parts) if parts else x
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        p = cfg.patch_size
+        self.proj = nn.Conv2d(3, cfg.hidden_size, kernel_size=p, stride=p)
+        self.pos_emb = PosEmbDivided(cfg)
+
+    def forward(self, pixels: torch.Tensor, grids) -> torch.Tensor:
+        # A stride-p conv over p x p patches is one matmul over the flattened (C, py, px) vector.
+        x = F.linear(pixels.flatten(1), self.proj.weight.flatten(1), self.proj.bias)  # (L, D)
+        return self.pos_emb(x, grids)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc0 = nn.Linear(dim, hidden)
+        self.fc1 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.norm0 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.wqkv = nn.Linear(d, 3 * d)
+        self.wo = nn.Linear(d, d)
+        self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(d, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope, attn_backend: str) -> torch.Tensor:
+        L = x.shape[0]
+        qkv = self.wqkv(self.norm0(x)).view(L, 3, self.num_heads, self.head_dim)  # [q | k | v], head-major
+        q, k, v = qkv.unbind(1)
+        q, k = rope(q, k, meta.rope)
+        attn = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), meta, attn_backend)
+        x = x + self.wo(attn.reshape(L, -1))
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+
+class MoonViT3d(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.encoder = Encoder(cfg)
+
+    def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope=apply_rope_portable,
+                attn_backend: str | None = None) -> torch.Tensor:
+        """pixels: (L, 3, p, p) -> (L, D) after the final layer norm."""
+        backend = attn_backend or pick_backend(pixels.device, pixels.dtype)
+        x = self.patch_embed(pixels, meta.grids)
+        for block in self.encoder.blocks:
+            x = block(x, meta, rope, backend)
+        return self.encoder.final_layernorm(x)
+
+
+def tpool_patch_merge(x: torch.Tensor, meta: ForwardMetadata, kernel: tuple[int, int]) -> torch.Tensor:
+    """(sum t*h*w, D) -> (sum h/kh * w/kw, kh*kw, D): 2x2 blocks in raster order, frames averaged."""
+    kh, kw = kernel
+    d = x.shape[-1]
+    out, start = [], 0
+    for (t, h, w), n in zip(meta.grids, meta.seq_lens):
+        seg = x[start:start + n].view(t, h // kh, kh, w // kw, kw, d).permute(0, 1, 3, 2, 4, 5)
+        out.append(seg.mean(dim=0).reshape(-1, kh * kw, d))
+        start += n
+    return torch.cat(out) if out else x.new_empty((0, kh * kw, d))
+
+
+class PatchMergerProjector(nn.Module):
+    """LN per 1152-vector, then the 2x2 group flattened to 4608 -> 4608 -> GELU(erf) -> text_hidden."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d, merged = cfg.hidden_size, cfg.hidden_size * cfg.merge_tokens
+        self.pre_norm = nn.LayerNorm(d, eps=cfg.projector_ln_eps)
+        self.proj = nn.Sequential(nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, cfg.text_hidden_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        z = self.pre_norm(tokens)
+        return self.proj(z.reshape(z.shape[0], -1))
+
+
+class KimiVisionModel(nn.Module):
+    """Tower + projector with the checkpoint's top-level names (`vision_tower.*`, `mm_projector.*`)."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = MoonViT3d(cfg)
+        self.mm_projector = PatchMergerProjector(cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return self.mm_projector.pre_norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mm_projector.pre_norm.weight.dtype
+
+    def metadata(self, grid_thws) -> ForwardMetadata:
+        return build_metadata(self.cfg, grid_thws, self.device)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thws, rope=apply_rope_portable,
+                attn_backend: str | None = None) -> torch.Tensor:
+        """pixel_values: (sum t*h*w, 3, p, p); grid_thws: host (M, 3). Returns (sum tokens, text_hidden)
+        in media order, in the model's dtype."""
+        meta = grid_thws if isinstance(grid_thws, ForwardMetadata) else self.metadata(grid_thws)
+        if pixel_values.shape[0] != meta.num_patches:
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thws describes {meta.num_patches}")
+        if not meta.grids:
+            return pixel_values.new_empty((0, self.cfg.text_hidden_size), dtype=self.dtype)
+        x = self.vision_tower(pixel_values.to(self.dtype), meta, rope, attn_backend)
+        return self.mm_projector(tpool_patch_merge(x, meta, self.cfg.merge_kernel_size))

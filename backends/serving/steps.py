@@ -1,0 +1,158 @@
+"""What each Triton model does, as plain Python over numpy/torch: testable without a server.
+
+The adapters in `backends.serving.triton_models` only convert tensors and map RequestError to a
+per-request error response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.config import DEMO_CONFIG, VisionConfig
+from backends.errors import RequestError
+from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
+from backends.preprocess.pipeline import Limits, Preprocessor, plan_images
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Settings every model reads from its config.pbtxt `parameters` (rendered by backends.deploy)."""
+
+    checkpoint: str = ""
+    device: str = "cpu"
+    limits: Limits = Limits()
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
+        base = Limits()
+        limits = Limits(
+            max_images=int(params.get("max_images", base.max_images)),
+            max_patches=int(params.get("max_patches", base.max_patches)),
+            max_image_pixels=int(params.get("max_image_pixels", base.max_image_pixels)),
+        )
+        return cls(checkpoint=params.get("checkpoint", ""), device=device, limits=limits)
+
+    def vision_config(self) -> VisionConfig:
+        if not self.checkpoint:
+            return DEMO_CONFIG
+        from backends.config import load_checkpoint_config
+
+        return load_checkpoint_config(self.checkpoint)
+
+
+class PlaceholderStep:
+    """INPUT_IDS + IMAGES -> EXPANDED_IDS + IMAGE_TOKEN_COUNTS. Reads image headers only.
+
+    The 1:1 check runs first, before any image byte is looked at; when it fails nothing downstream
+    runs, because kimi_preprocess waits on IMAGE_TOKEN_COUNTS.
+    """
+
+    def __init__(self, cfg: VisionConfig, limits: Limits = Limits()):
+        self.cfg, self.limits = cfg, limits
+
+    def __call__(self, input_ids: np.ndarray, images: Sequence[bytes]) -> dict[str, np.ndarray]:
+        pad = self.cfg.tokens.media_pad
+        ids = check_one_placeholder_per_image(input_ids, pad, len(images))
+        plans = plan_images(images, self.cfg.media, self.limits)
+        counts = [p.num_tokens for p in plans]
+        return {
+            "EXPANDED_IDS": expand_placeholders(ids, pad, counts),
+            "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64),
+        }
+
+
+class PreprocessStep:
+    """IMAGES (+ optional IMAGE_TOKEN_COUNTS to cross-check) -> PIXEL_VALUES + GRID_THWS."""
+
+    def __init__(self, cfg: VisionConfig, limits: Limits = Limits(), device: str = "cpu",
+                 out_dtype: torch.dtype = torch.float32):
+        self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
+
+    def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None):
+        pixel_values, grid_thws, plans = self.pre(images)
+        if expected_counts is not None:
+            counts = [p.num_tokens for p in plans]
+            if list(np.asarray(expected_counts).reshape(-1)) != counts:
+                raise RequestError(f"IMAGE_TOKEN_COUNTS {list(expected_counts)} does not match the images' {counts}")
+        return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws}
+
+
+@dataclass
+class EncoderRequest:
+    pixel_values: torch.Tensor  # (N, 3, p, p)
+    grid_thws: np.ndarray  # (M, 3) int64, host
+
+
+class EncoderStep:
+    """Runs several requests' media in one varlen forward and splits the embeddings back per request.
+
+    A request whose inputs are inconsistent fails alone; if the joint forward itself fails, each
+    request is retried on its own so one bad request cannot take the batch down.
+    """
+
+    def __init__(self, model, patch_size: int, merge_tokens: int):
+        self.model = model
+        self.patch_size = patch_size
+        self.merge_tokens = merge_tokens
+
+    def check(self, req: EncoderRequest) -> None:
+        pv, grid = req.pixel_values, np.asarray(req.grid_thws)
+        p = self.patch_size
+        if pv.dim() != 4 or tuple(pv.shape[1:]) != (3, p, p):
+            raise RequestError(f"PIXEL_VALUES must have shape [N, 3, {p}, {p}], got {list(pv.shape)}")
+        if grid.ndim != 2 or grid.shape[1] != 3:
+            raise RequestError(f"GRID_THWS must have shape [M, 3], got {list(grid.shape)}")
+        if grid.size and grid.min() < 1:
+            raise RequestError(f"GRID_THWS entries must be positive, got {grid.tolist()}")
+        patches = int(np.prod(grid, axis=1).sum()) if grid.size else 0
+        if patches != pv.shape[0]:
+            raise RequestError(f"GRID_THWS describes {patches} patches but PIXEL_VALUES has {pv.shape[0]}")
+        try:
+            self.model.metadata(grid)  # grid-level rules: merge divisibility, frame count, RoPE range
+        except ValueError as exc:
+            raise RequestError(f"GRID_THWS: {exc}") from None
+
+    def run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
+        results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
+        good = []
+        for i, req in enumerate(requests):
+            try:
+                self.check(req)
+                good.append(i)
+            except RequestError as exc:
+                results[i] = exc
+        if not good:
+            return results
+        try:
+            embeds = self._forward([requests[i] for i in good])
+        except Exception:  # noqa: BLE001 - isolate the failure to the request that caused it
+            log.exception("joint encoder forward failed; retrying requests one by one")
+            for i in good:
+                try:
+                    results[i] = self._forward([requests[i]])[0]
+                except Exception as exc:  # noqa: BLE001
+                    results[i] = exc
+            return results
+        for i, e in zip(good, embeds):
+            results[i] = e
+        return results
+
+    def _forward(self, reqs: Sequence[EncoderRequest]) -> list[torch.Tensor]:
+        grids = np.concatenate([np.asarray(r.grid_thws, dtype=np.int64).reshape(-1, 3) for r in reqs])
+        device = self.model.device
+        pixels = torch.cat([r.pixel_values.to(device, non_blocking=True) for r in reqs])
+        out = self.model(pixels, grids)
+        # Split on host-known token counts: no device read.
+        sizes = [self._tokens(r.grid_thws) for r in reqs]
+        return list(torch.split(out, sizes))
+
+    def _tokens(self, grid_thws) -> int:
+        grid = np.asarray(grid_thws, dtype=np.int64).reshape(-1, 3)
+        return int((grid[:, 1] * grid[:, 2]).sum() // self.merge_tokens)

@@ -1,0 +1,51 @@
+"""Send a prompt and images through the kimi_k25_vision ensemble and print what came back.
+
+    python -m clients.infer --image a.jpg --image b.png                     # prompt built for you
+    python -m clients.infer --ids 163602,163603,163605,163604,1,2 --image a.jpg --protocol http
+    python -m clients.infer --image a.jpg --shm system                       # inputs/outputs via shm
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+
+
+def parse_ids(text: str) -> np.ndarray:
+    try:
+        return np.asarray([int(t) for t in text.replace(" ", "").split(",") if t], dtype=np.int64)
+    except ValueError:
+        raise SystemExit(f"--ids must be comma-separated integers, got {text!r}") from None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ids", help="comma-separated prompt token ids with one <|media_pad|> (163605) per image; "
+                                  "default: a minimal prompt with one placeholder per --image")
+    ap.add_argument("--image", action="append", default=[], type=Path, help="encoded image file, in prompt order")
+    ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    ap.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
+    ap.add_argument("--shm", choices=["none", "system", "cuda"], default="none")
+    args = ap.parse_args(argv)
+    url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
+    images = [p.read_bytes() for p in args.image]
+    ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(len(images))
+    client = KimiVisionClient(url, protocol=args.protocol)
+    try:
+        result = client.infer(ids, images, shm=args.shm)
+    except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
+        print(f"request failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

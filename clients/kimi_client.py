@@ -1,0 +1,197 @@
+"""A small client for the `kimi_k25_vision` ensemble over gRPC or HTTP, with optional shared memory.
+
+    client = KimiVisionClient("127.0.0.1:8001", protocol="grpc")
+    result = client.infer(input_ids, [open("a.jpg", "rb").read()])
+    result.image_embeds  # (sum of IMAGE_TOKEN_COUNTS, text_hidden), rows in prompt order
+
+Shared memory: `shm="system"` puts the inputs and IMAGE_EMBEDS in a POSIX shared-memory region
+registered with the server (same host); `shm="cuda"` writes IMAGE_EMBEDS straight into a CUDA buffer
+this process owns (the co-located LLM reads it without a host copy) and is available where a GPU is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MODEL = "kimi_k25_vision"
+MEDIA_PAD = 163605  # <|media_pad|> in the K2.5 checkpoint; a checkpoint's config can differ
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = 163602, 163603, 163604
+OUTPUTS = ("EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS")
+
+
+@dataclass
+class VisionResult:
+    expanded_ids: np.ndarray  # (L',) int64
+    image_embeds: np.ndarray  # (tokens, text_hidden) float32 (BF16 outputs are widened to float32)
+    grid_thws: np.ndarray  # (M, 3) int64
+    token_counts: np.ndarray  # (M,) int64
+    cuda_embeds: object = None  # torch tensor on the GPU when shm="cuda"
+
+    def checksum(self) -> str:
+        """sha256 prefix over the embeddings' float32 bytes: equal results give equal checksums."""
+        return hashlib.sha256(np.ascontiguousarray(self.image_embeds, dtype=np.float32).tobytes()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        lines = [f"expanded length: {self.expanded_ids.shape[0]} ids"]
+        for i, (grid, n) in enumerate(zip(self.grid_thws.tolist(), self.token_counts.tolist())):
+            lines.append(f"image {i}: grid_thw {tuple(grid)} -> {n} tokens")
+        e = self.image_embeds
+        lines.append(f"image embeds: shape {tuple(e.shape)} {e.dtype}, sum {float(e.sum(dtype=np.float64)):.6f}, "
+                     f"sha256 {self.checksum()}")
+        return "\n".join(lines)
+
+
+def chat_prompt_ids(num_images: int, text_ids: Sequence[int] = (1, 2, 3)) -> np.ndarray:
+    """A minimal prompt: each image as <|media_begin|> ... <|media_content|><|media_pad|><|media_end|>,
+    then some text ids. Real clients send their tokenizer's ids with one <|media_pad|> per image."""
+    ids: list[int] = []
+    for _ in range(num_images):
+        ids += [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END]
+    return np.asarray(ids + list(text_ids), dtype=np.int64)
+
+
+def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:
+    return np.array(list(images), dtype=np.object_).reshape(-1)
+
+
+class KimiVisionClient:
+    def __init__(self, url: str, protocol: str = "grpc", model: str = MODEL):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        self.protocol, self.model = protocol, model
+        if protocol == "grpc":
+            import tritonclient.grpc as tc
+        else:
+            import tritonclient.http as tc
+        self.tc = tc
+        self.client = tc.InferenceServerClient(url)
+
+    def close(self):
+        self.client.close()
+
+    def infer(self, input_ids, images: Sequence[bytes], *, shm: str = "none",
+              output_capacity: int = 64 << 20, timeout_s: float | None = None) -> VisionResult:
+        """One request through the ensemble. `output_capacity` bounds IMAGE_EMBEDS in shm modes."""
+        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1))
+        blobs = _bytes_tensor(images)
+        if shm == "none":
+            return self._infer_plain(ids, blobs, timeout_s)
+        if shm == "system":
+            return self._infer_system_shm(ids, blobs, output_capacity, timeout_s)
+        if shm == "cuda":
+            return self._infer_cuda_shm(ids, blobs, output_capacity, timeout_s)
+        raise ValueError(f"shm must be 'none', 'system' or 'cuda', got {shm!r}")
+
+    def _inputs(self, ids, blobs):
+        a = self.tc.InferInput("INPUT_IDS", list(ids.shape), "INT64")
+        b = self.tc.InferInput("IMAGES", list(blobs.shape), "BYTES")
+        return a, b
+
+    def _call(self, inputs, outputs, timeout_s):
+        kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
+        return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
+
+    def _infer_plain(self, ids, blobs, timeout_s):
+        a, b = self._inputs(ids, blobs)
+        a.set_data_from_numpy(ids)
+        b.set_data_from_numpy(blobs)
+        outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
+        r = self._call([a, b], outputs, timeout_s)
+        return VisionResult(*(r.as_numpy(n) for n in OUTPUTS))
+
+    def _infer_system_shm(self, ids, blobs, capacity, timeout_s):
+        import tritonclient.utils.shared_memory as shm
+        from tritonclient.utils import serialize_byte_tensor
+
+        tag = uuid.uuid4().hex[:12]
+        serialized = serialize_byte_tensor(blobs)
+        serialized = serialized.item() if serialized.size else b""
+        in_size = ids.nbytes + len(serialized)
+        regions = []
+        try:
+            in_name, out_name = f"kimi_in_{tag}", f"kimi_out_{tag}"
+            h_in = shm.create_shared_memory_region(in_name, f"/{in_name}", max(in_size, 1))
+            regions.append((in_name, h_in))
+            h_out = shm.create_shared_memory_region(out_name, f"/{out_name}", capacity)
+            regions.append((out_name, h_out))
+            shm.set_shared_memory_region(h_in, [ids])
+            if serialized:
+                shm.set_shared_memory_region(h_in, [np.frombuffer(serialized, dtype=np.uint8)], offset=ids.nbytes)
+            self.client.register_system_shared_memory(in_name, f"/{in_name}", max(in_size, 1))
+            self.client.register_system_shared_memory(out_name, f"/{out_name}", capacity)
+            a, b = self._inputs(ids, blobs)
+            a.set_shared_memory(in_name, ids.nbytes)
+            if serialized:
+                b.set_shared_memory(in_name, len(serialized), offset=ids.nbytes)
+            else:
+                b.set_data_from_numpy(blobs)
+            outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
+            outputs[1].set_shared_memory(out_name, capacity)
+            r = self._call([a, b], outputs, timeout_s)
+            shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
+            embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
+            return VisionResult(r.as_numpy("EXPANDED_IDS"), embeds, r.as_numpy("GRID_THWS"), r.as_numpy("IMAGE_TOKEN_COUNTS"))
+        finally:
+            for name, handle in regions:
+                try:
+                    self.client.unregister_system_shared_memory(name)
+                except Exception:  # noqa: BLE001 - best effort cleanup
+                    pass
+                shm.destroy_shared_memory_region(handle)
+
+    def _infer_cuda_shm(self, ids, blobs, capacity, timeout_s, device_id: int = 0):
+        import torch
+        import tritonclient.utils.cuda_shared_memory as cudashm
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("shm='cuda' needs a CUDA GPU on the client's host")
+        tag = uuid.uuid4().hex[:12]
+        out_name = f"kimi_cuda_out_{tag}"
+        handle = cudashm.create_shared_memory_region(out_name, capacity, device_id)
+        try:
+            self.client.register_cuda_shared_memory(out_name, cudashm.get_raw_handle(handle), device_id, capacity)
+            a, b = self._inputs(ids, blobs)
+            a.set_data_from_numpy(ids)
+            b.set_data_from_numpy(blobs)
+            outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
+            outputs[1].set_shared_memory(out_name, capacity)
+            r = self._call([a, b], outputs, timeout_s)
+            shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
+            dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}[datatype]
+            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            # Zero-copy view of the region through DLPack, then one device-to-device copy so the
+            # result outlives the region.
+            region = torch.from_dlpack(cudashm.as_shared_memory_tensor(handle, "UINT8", [capacity]))
+            embeds_gpu = region[:nbytes].view(dtype).view(*shape).clone()
+            return VisionResult(r.as_numpy("EXPANDED_IDS"), embeds_gpu.float().cpu().numpy(), r.as_numpy("GRID_THWS"),
+                                r.as_numpy("IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds_gpu)
+        finally:
+            try:
+                self.client.unregister_cuda_shared_memory(out_name)
+            except Exception:  # noqa: BLE001
+                pass
+            cudashm.destroy_shared_memory_region(handle)
+
+
+def _output_meta(result, name: str) -> tuple[list[int], str]:
+    """(shape, datatype) of an output; gRPC returns a protobuf, HTTP a dict."""
+    meta = result.get_output(name)
+    if isinstance(meta, dict):
+        return list(meta["shape"]), meta["datatype"]
+    return list(meta.shape), meta.datatype
+
+
+def _read_embeds(raw: np.ndarray, shape: list[int], datatype: str) -> np.ndarray:
+    count = int(np.prod(shape))
+    if datatype == "FP32":
+        return raw[: count * 4].view(np.float32).reshape(shape).copy()
+    if datatype == "BF16":
+        # bfloat16 is the top half of a float32.
+        halves = raw[: count * 2].view(np.uint16).astype(np.uint32) << 16
+        return halves.view(np.float32).reshape(shape)
+    raise ValueError(f"unexpected IMAGE_EMBEDS datatype {datatype}")
