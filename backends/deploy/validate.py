@@ -1,0 +1,150 @@
+"""Offline check of a model repository (`make validate`): parse every config.pbtxt with Triton's own
+protobuf definitions and check the ensemble graph.
+
+Checks: each config parses into `ModelConfig` and names its folder; each model has a version folder
+with a file (git drops empty folders, and then the model does not load); each ensemble step names an
+existing model, maps only tensors that model declares, feeds every required input, and connects
+tensors with equal dtypes and compatible shapes; every ensemble input is consumed, every ensemble
+output produced exactly once, and no step output is left dangling.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: int
+    dims: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"{mc.DataType.Name(self.dtype)}{list(self.dims)}"
+
+
+def compatible(a: TensorSpec, b: TensorSpec) -> bool:
+    """Same dtype, same rank, and each dimension equal or variable (-1) on either side."""
+    if a.dtype != b.dtype or len(a.dims) != len(b.dims):
+        return False
+    return all(x == y or x == -1 or y == -1 for x, y in zip(a.dims, b.dims))
+
+
+def _full_dims(config: mc.ModelConfig, dims) -> tuple[int, ...]:
+    # With batching, Triton prepends the batch dimension to every tensor.
+    return ((-1,) if config.max_batch_size > 0 else ()) + tuple(dims)
+
+
+def load_configs(repo: Path) -> tuple[dict[str, mc.ModelConfig], list[str]]:
+    configs, problems = {}, []
+    for folder in sorted(p for p in Path(repo).iterdir() if p.is_dir()):
+        path = folder / "config.pbtxt"
+        if not path.is_file():
+            problems.append(f"{folder.name}: no config.pbtxt")
+            continue
+        config = mc.ModelConfig()
+        try:
+            text_format.Parse(path.read_text(), config)
+        except text_format.ParseError as exc:
+            problems.append(f"{folder.name}/config.pbtxt does not parse as a Triton ModelConfig: {exc}")
+            continue
+        if config.name and config.name != folder.name:
+            problems.append(f"{folder.name}/config.pbtxt names the model {config.name!r}, not {folder.name!r}")
+        versions = [v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()]
+        if not versions or not any(any(v.iterdir()) for v in versions):
+            problems.append(f"{folder.name}: no version folder with a file in it (git drops empty folders)")
+        if config.backend == "python" and not any((v / "model.py").is_file() for v in versions):
+            problems.append(f"{folder.name}: python backend model without a <version>/model.py")
+        configs[folder.name] = config
+    return configs, problems
+
+
+def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelConfig]) -> list[str]:
+    problems = []
+    where = f"ensemble {name}"
+    available: dict[str, TensorSpec] = {t.name: TensorSpec(t.data_type, _full_dims(ens, t.dims)) for t in ens.input}
+    produced_by: dict[str, str] = {}
+    consumed: set[str] = set()
+    for i, step in enumerate(ens.ensemble_scheduling.step):
+        label = f"{where} step {i} ({step.model_name})"
+        model = configs.get(step.model_name)
+        if model is None:
+            problems.append(f"{label}: no model named {step.model_name!r} in the repository")
+            continue
+        inputs = {t.name: t for t in model.input}
+        outputs = {t.name: t for t in model.output}
+        for model_input, tensor in step.input_map.items():
+            if model_input not in inputs:
+                problems.append(f"{label}: maps {model_input!r}, which is not an input of {step.model_name}")
+                continue
+            consumed.add(tensor)
+            spec = available.get(tensor)
+            if spec is None:
+                problems.append(f"{label}: input {model_input!r} reads {tensor!r}, which no ensemble input "
+                                f"or earlier step provides")
+                continue
+            want = TensorSpec(inputs[model_input].data_type, _full_dims(model, inputs[model_input].dims))
+            if not compatible(spec, want):
+                problems.append(f"{label}: {tensor!r} is {spec.describe()} but {step.model_name}.{model_input} "
+                                f"expects {want.describe()}")
+        for model_input, t in inputs.items():
+            if model_input not in step.input_map and not t.optional:
+                problems.append(f"{label}: required input {model_input!r} is not mapped")
+        for model_output, tensor in step.output_map.items():
+            if model_output not in outputs:
+                problems.append(f"{label}: maps {model_output!r}, which is not an output of {step.model_name}")
+                continue
+            if tensor in available:
+                problems.append(f"{label}: {tensor!r} is produced twice (also by "
+                                f"{produced_by.get(tensor, 'the ensemble inputs')})")
+            o = outputs[model_output]
+            available[tensor] = TensorSpec(o.data_type, _full_dims(model, o.dims))
+            produced_by[tensor] = step.model_name
+    ens_outputs = {t.name: t for t in ens.output}
+    for t in ens.input:
+        if t.name not in consumed:
+            problems.append(f"{where}: input {t.name!r} is never used")
+    for out_name, t in ens_outputs.items():
+        spec = available.get(out_name)
+        if spec is None or out_name not in produced_by:
+            problems.append(f"{where}: output {out_name!r} is not produced by any step")
+            continue
+        want = TensorSpec(t.data_type, _full_dims(ens, t.dims))
+        if not compatible(spec, want):
+            problems.append(f"{where}: output {out_name!r} is declared {want.describe()} but "
+                            f"{produced_by[out_name]} produces {spec.describe()}")
+    for tensor, model in produced_by.items():
+        if tensor not in consumed and tensor not in ens_outputs:
+            problems.append(f"{where}: {tensor!r} from {model} is dangling (neither consumed nor an output)")
+    return problems
+
+
+def validate_repository(repo: Path) -> list[str]:
+    """All problems found, as sentences; an empty list means the repository is consistent."""
+    configs, problems = load_configs(Path(repo))
+    ensembles = [n for n, c in configs.items() if c.platform == "ensemble"]
+    if not ensembles:
+        problems.append("no ensemble in the repository")
+    for name in ensembles:
+        problems += check_ensemble(name, configs[name], configs)
+    return problems
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    repo = Path(args[0] if args else "model_repository")
+    problems = validate_repository(repo)
+    for p in problems:
+        print(f"invalid: {p}")
+    if problems:
+        return 1
+    print(f"{repo}: all model configs parse and the ensemble graph is consistent")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

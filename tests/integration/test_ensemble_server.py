@@ -1,0 +1,161 @@
+"""The ensemble on a real tritonserver, over gRPC and HTTP, through our client library."""
+
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backends.config import DEMO_CONFIG
+from backends.preprocess import Preprocessor
+from backends.preprocess.resize_rule import navit_resize
+from backends.weights.demo import demo_model
+from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like, text_card
+
+SIZES = [(640, 480), (300, 200), (1100, 90)]
+
+
+def images():
+    return [encode(photo_like(640, 480, seed=1), "JPEG", quality=90), encode(text_card(300, 200), "PNG"),
+            encode(photo_like(1100, 90, seed=2), "WEBP")]
+
+
+def expected(blobs, ids):
+    """Independent pieces: token counts from the rule on the known sizes, ids by a plain loop,
+    embeddings from the same model run in-process (the math itself is pinned by the unit tests)."""
+    counts = [navit_resize(w, h, DEMO_CONFIG.media).num_tokens for w, h in SIZES[: len(blobs)]]
+    expanded, i = [], 0
+    for tok in ids.tolist():
+        if tok == MEDIA_PAD:
+            expanded += [MEDIA_PAD] * counts[i]
+            i += 1
+        else:
+            expanded.append(tok)
+    pv, grids, _ = Preprocessor(DEMO_CONFIG.media)(blobs)
+    embeds = demo_model(DEMO_CONFIG.encoder)(pv, grids)
+    return counts, expanded, grids, embeds.numpy()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    blobs = images()
+    ids = chat_prompt_ids(len(blobs), text_ids=[11, 12, 13])
+    return blobs, ids, expected(blobs, ids)
+
+
+def stats_count(server, model):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    c.close()
+    return int(s["inference_count"]) if "inference_count" in s else 0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_several_images_of_different_sizes(server, reference, protocol):
+    blobs, ids, (counts, expanded, grids, embeds) = reference
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = KimiVisionClient(url, protocol=protocol)
+    r = client.infer(ids, blobs)
+    client.close()
+    assert r.token_counts.tolist() == counts
+    assert r.expanded_ids.tolist() == expanded
+    assert r.grid_thws.tolist() == grids.tolist()
+    assert r.image_embeds.shape == (sum(counts), DEMO_CONFIG.encoder.text_hidden_size)
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+
+
+def test_system_shared_memory_gives_the_same_answer(server, reference):
+    blobs, ids, (counts, expanded, _, embeds) = reference
+    client = KimiVisionClient(server.grpc_url, protocol="grpc")
+    r = client.infer(ids, blobs, shm="system")
+    client.close()
+    assert r.expanded_ids.tolist() == expanded
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_placeholder_count_mismatch_is_refused_before_the_encoder(server, protocol):
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    client = KimiVisionClient(url, protocol=protocol)
+    before = stats_count(server, "moonvit3d"), stats_count(server, "kimi_preprocess")
+    ids = np.array([1, MEDIA_PAD, 2, MEDIA_PAD, 3], np.int64)  # two placeholders, one image
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(ids, images()[:1])
+    client.close()
+    assert "has 2 <|media_pad|> placeholder token(s)" in str(err.value)
+    assert "but 1 image(s)" in str(err.value)
+    assert (stats_count(server, "moonvit3d"), stats_count(server, "kimi_preprocess")) == before
+
+
+def test_text_only_request_passes_ids_through(server):
+    client = KimiVisionClient(server.grpc_url)
+    ids = np.array([163587, 5, 6, 7, 163586], np.int64)
+    r = client.infer(ids, [])
+    client.close()
+    assert r.expanded_ids.tolist() == ids.tolist()
+    assert r.image_embeds.shape == (0, DEMO_CONFIG.encoder.text_hidden_size)
+    assert r.grid_thws.shape == (0, 3) and r.token_counts.shape == (0,)
+
+
+def test_garbage_image_is_a_clear_error_and_the_next_request_succeeds(server, reference):
+    blobs, ids, (counts, expanded, _, embeds) = reference
+    client = KimiVisionClient(server.grpc_url)
+    bad = [blobs[0], b"\x89PNG\r\n\x1a\n this is not really a png"]
+    with pytest.raises(InferenceServerException, match="image 1: not a decodable image"):
+        client.infer(chat_prompt_ids(2), bad)
+    r = client.infer(ids, blobs)
+    client.close()
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+
+
+def test_two_concurrent_clients(server, reference):
+    blobs, ids, (counts, expanded, _, embeds) = reference
+    errors, done = [], []
+
+    def worker(protocol, n):
+        url = server.grpc_url if protocol == "grpc" else server.http_url
+        client = KimiVisionClient(url, protocol=protocol)
+        try:
+            for k in range(n):
+                subset = blobs[: 1 + k % len(blobs)]
+                r = client.infer(chat_prompt_ids(len(subset)), subset)
+                rows = sum(counts[: len(subset)])
+                np.testing.assert_allclose(r.image_embeds, embeds[:rows], rtol=1e-5, atol=1e-6)
+                done.append(protocol)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=worker, args=(p, 4)) for p in ("grpc", "http")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert sorted(done) == ["grpc"] * 4 + ["http"] * 4
+
+
+def test_failures_are_counted_in_our_metric(server):
+    client = KimiVisionClient(server.grpc_url)
+    with pytest.raises(InferenceServerException):
+        client.infer(np.array([1, 2], np.int64), [b"x"])
+    client.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    lines = [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
+    assert any('model="kimi_placeholder"' in l and 'kind="invalid_input"' in l for l in lines), lines
+
+
+def test_preprocess_is_usable_on_its_own(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    blob = encode(photo_like(100, 60), "PNG")
+    inp = grpcclient.InferInput("IMAGES", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([blob], dtype=object))
+    r = c.infer("kimi_preprocess", [inp])
+    c.close()
+    pv, grids, _ = Preprocessor(DEMO_CONFIG.media)([blob])
+    assert r.as_numpy("GRID_THWS").tolist() == grids.tolist()
+    assert np.array_equal(r.as_numpy("PIXEL_VALUES"), pv.numpy())

@@ -1,0 +1,100 @@
+"""MoonViT3d pieces against direct re-statements of the reference (doc §3), and the batching step."""
+
+import numpy as np
+import pytest
+import torch
+
+from backends.config import DEMO_CONFIG, EncoderConfig
+from backends.encoder.metadata import build_metadata, rope_angles_table
+from backends.encoder.moonvit3d import KimiVisionModel, tpool_patch_merge
+from backends.errors import RequestError
+from backends.serving.steps import EncoderRequest, EncoderStep
+from backends.weights.demo import demo_model
+
+CFG = DEMO_CONFIG.encoder
+
+
+def reference_rope_table(dim=72, max_h=512, max_w=512, theta=10000):
+    """The reference's full (512, 512, dim/2) table, built the way Rope2DPosEmb builds it."""
+    n = max_h * max_w
+    flat = torch.arange(0, n).float()
+    x_pos, y_pos = flat % max_w, flat // max_w
+    dim_range = torch.arange(0, dim, 4)[: dim // 4].float()
+    freqs = 1.0 / (theta ** (dim_range / dim))
+    x_cis = torch.polar(torch.ones(n, dim // 4), torch.outer(x_pos, freqs).float())
+    y_cis = torch.polar(torch.ones(n, dim // 4), torch.outer(y_pos, freqs).float())
+    return torch.cat([x_cis.unsqueeze(-1), y_cis.unsqueeze(-1)], dim=-1).reshape(max_h, max_w, -1)
+
+
+@pytest.mark.parametrize("h,w", [(1, 1), (16, 22), (74, 74), (2, 512)])
+def test_rope_table_slices_equal_the_reference_bit_for_bit(h, w):
+    full = reference_rope_table()
+    ours = rope_angles_table(EncoderConfig(), h, w)
+    assert torch.equal(ours, full[:h, :w].reshape(-1, 36))
+
+
+def test_rope_rejects_grids_beyond_the_table():
+    with pytest.raises(ValueError, match="exceeds the RoPE table"):
+        rope_angles_table(EncoderConfig(), 513, 4)
+
+
+def test_tpool_merge_matches_reference_permute_then_mean():
+    grids = [(1, 4, 6), (3, 2, 4), (1, 2, 2)]
+    meta = build_metadata(CFG, grids, "cpu")
+    x = torch.randn(meta.num_patches, 8)
+    ours = tpool_patch_merge(x, meta, (2, 2))
+    ref, start = [], 0
+    for t, h, w in grids:
+        seg = x[start:start + t * h * w]
+        start += t * h * w
+        ref.append(seg.view(t, h // 2, 2, w // 2, 2, 8).permute(0, 1, 3, 2, 4, 5).mean(dim=0).reshape(-1, 4, 8))
+    assert torch.equal(ours, torch.cat(ref))
+    # t = 1: the merged token (0, 0) is exactly the 2x2 block of patches (0,0),(0,1),(1,0),(1,1).
+    assert torch.equal(ours[0], torch.stack([x[0], x[1], x[6], x[7]]))
+
+
+def test_tower_runs_on_meta_device_so_it_never_reads_the_device():
+    # Any .item()/.tolist()/.cpu() on a meta tensor raises: this proves all shape metadata is host-side.
+    model = KimiVisionModel(CFG).to("meta")
+    grids = np.array([[1, 4, 6], [2, 8, 8], [1, 16, 22]])
+    n = int(np.prod(grids, axis=1).sum())
+    out = model(torch.empty(n, 3, 14, 14, device="meta"), grids)
+    assert out.device.type == "meta"
+    assert tuple(out.shape) == ((4 * 6 + 8 * 8 + 16 * 22) // 4, CFG.text_hidden_size)
+
+
+def test_grid_thws_on_a_device_is_refused():
+    with pytest.raises(ValueError, match="host"):
+        build_metadata(CFG, torch.ones(1, 3, dtype=torch.int64, device="meta"), "cpu")
+
+
+def _request(grids, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(np.asarray(grids), axis=1).sum())
+    return EncoderRequest(torch.randn(n, 3, 14, 14, generator=gen), np.asarray(grids, dtype=np.int64))
+
+
+def test_joint_forward_equals_separate_forwards():
+    model = demo_model(CFG)
+    step = EncoderStep(model, 14, 4)
+    reqs = [_request([[1, 4, 6], [1, 8, 8]], 0), _request([[1, 2, 2]], 1), _request([[2, 4, 4]], 2)]
+    joint = step.run_batch(reqs)
+    for req, got in zip(reqs, joint):
+        alone = model(req.pixel_values, req.grid_thws)
+        torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_request_fails_alone():
+    step = EncoderStep(demo_model(CFG), 14, 4)
+    good = _request([[1, 4, 6]], 0)
+    mismatched = EncoderRequest(torch.zeros(5, 3, 14, 14), np.array([[1, 4, 6]]))
+    odd_grid = EncoderRequest(torch.zeros(9, 3, 14, 14), np.array([[1, 3, 3]]))
+    results = step.run_batch([mismatched, good, odd_grid])
+    assert isinstance(results[0], RequestError) and "describes 24 patches but PIXEL_VALUES has 5" in str(results[0])
+    assert isinstance(results[2], RequestError) and "merge kernel" in str(results[2])
+    assert isinstance(results[1], torch.Tensor) and results[1].shape == (6, CFG.text_hidden_size)
+
+
+def test_empty_request_gives_zero_rows():
+    out = demo_model(CFG)(torch.empty(0, 3, 14, 14), np.zeros((0, 3), np.int64))
+    assert tuple(out.shape) == (0, CFG.text_hidden_size)

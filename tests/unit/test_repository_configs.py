@@ -1,0 +1,66 @@
+"""The rendered repository: committed configs come from the renderer, and the validator catches breakage."""
+
+import re
+import shutil
+
+import pytest
+
+from backends.deploy.repository import MODELS, SOURCE_REPOSITORY, Deployment, model_configs, render_config, render_repository
+from backends.deploy.validate import validate_repository
+
+
+def test_committed_configs_are_the_rendered_cpu_default():
+    for name, config in model_configs(Deployment()).items():
+        committed = (SOURCE_REPOSITORY / name / "config.pbtxt").read_text()
+        assert committed == render_config(config), f"{name}/config.pbtxt is stale: run `make configs`"
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_rendered_repositories_validate(tmp_path, device):
+    repo = render_repository(Deployment(device=device), tmp_path / device)
+    assert validate_repository(repo) == []
+    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS)
+
+
+def test_gpu_deployment_differs_only_in_placement_and_dtypes():
+    cpu, gpu = model_configs(Deployment("cpu")), model_configs(Deployment("gpu"))
+    for name in MODELS:
+        a, b = render_config(cpu[name]).splitlines(), render_config(gpu[name]).splitlines()
+        changed = {x.strip() for x in set(a) ^ set(b)}
+        allowed = {"data_type: TYPE_FP32", "data_type: TYPE_BF16", "kind: KIND_CPU", "kind: KIND_GPU",
+                   'string_value: "yes"', 'string_value: "no"'}
+        assert changed <= allowed, (name, changed - allowed)
+    assert gpu["moonvit3d"].instance_group[0].kind == gpu["moonvit3d"].instance_group[0].KIND_GPU
+    assert gpu["kimi_placeholder"].instance_group[0].kind == gpu["kimi_placeholder"].instance_group[0].KIND_CPU
+
+
+def _broken(tmp_path, model, old, new):
+    repo = render_repository(Deployment(), tmp_path / "repo")
+    path = repo / model / "config.pbtxt"
+    text = path.read_text()
+    assert re.search(old, text), old
+    path.write_text(re.sub(old, new, text, count=1))
+    return repo
+
+
+@pytest.mark.parametrize("model,old,new,expected", [
+    ("kimi_k25_vision", 'model_name: "moonvit3d"', 'model_name: "moonvit"', "no model named 'moonvit'"),
+    ("kimi_k25_vision", 'value: "pixel_values"\n', 'value: "pixel_valuez"\n', "no ensemble input or earlier step"),
+    ("moonvit3d", "TYPE_FP32", "TYPE_FP16", "expects TYPE_FP16"),
+    ("kimi_k25_vision", r'key: "GRID_THWS"\n      value: "GRID_THWS"', 'key: "GRID_THWS"\n      value: "GRID_X"',
+     "dangling"),
+    ("kimi_preprocess", "dims: 14\n  dims: 14", "dims: 14\n  dims: 16", "is TYPE_FP32[-1, 3, 14, 16] but moonvit3d.PIXEL_VALUES expects TYPE_FP32[-1, 3, 14, 14]"),
+    ("kimi_placeholder", "input {", "input {\n  name: 1 2 3", "does not parse"),
+    ("kimi_k25_vision", r'output \{\n  name: "GRID_THWS"', 'output {\n  name: "GRID_THW"', "not produced by any step"),
+])
+def test_validator_fails_on_a_broken_copy(tmp_path, model, old, new, expected):
+    problems = validate_repository(_broken(tmp_path, model, old, new))
+    assert problems, "a broken repository must not validate"
+    assert any(expected in p for p in problems), problems
+
+
+def test_validator_catches_an_empty_version_folder(tmp_path):
+    repo = render_repository(Deployment(), tmp_path / "repo")
+    shutil.rmtree(repo / "kimi_k25_vision" / "1")
+    (repo / "kimi_k25_vision" / "1").mkdir()
+    assert any("no version folder with a file" in p for p in validate_repository(repo))

@@ -1,0 +1,45 @@
+"""The navit resize rule against the table computed in the reference doc (§1.2)."""
+
+import pytest
+
+from backends.config import MediaConfig
+from backends.preprocess.resize_rule import navit_resize
+
+K25 = MediaConfig()
+
+
+@pytest.mark.parametrize(
+    "src,resized,pad,grid,tokens",
+    [
+        ((224, 224), (224, 224), (0, 0), (1, 16, 16), 64),
+        ((640, 480), (640, 480), (4, 24), (1, 36, 46), 414),
+        ((1024, 1024), (1024, 1024), (12, 12), (1, 74, 74), 1369),
+        ((1920, 1080), (1920, 1080), (12, 12), (1, 78, 138), 2691),
+        ((2048, 1536), (2048, 1536), (24, 4), (1, 110, 148), 4070),
+        ((3000, 3000), (1794, 1794), (26, 26), (1, 130, 130), 4225),
+        ((100000, 100), (7167, 7), (1, 21), (1, 2, 512), 256),
+        ((1, 1), (1, 1), (27, 27), (1, 2, 2), 1),
+    ],
+)
+def test_reference_table(src, resized, pad, grid, tokens):
+    plan = navit_resize(*src, K25)
+    assert (plan.width, plan.height) == resized
+    assert (plan.pad_width, plan.pad_height) == pad
+    assert plan.grid_thw == grid
+    assert plan.num_tokens == tokens
+
+
+def test_never_upscales_and_tokens_can_exceed_limit_over_four():
+    plan = navit_resize(7080, 489, K25)
+    assert plan.num_tokens == 4446  # the maximum found by the reference doc's random search
+    assert plan.grid_thw == (1, 36, 494)
+    small = navit_resize(30, 20, K25)
+    assert (small.width, small.height) == (30, 20)
+
+
+def test_checkpoint_limits_change_the_rule():
+    tight = MediaConfig(in_patch_limit=4096, patch_limit_on_one_side=64)
+    # Side cap: scale = 64*14/3000, so 3000 -> 896 px = 64 patches exactly, no padding.
+    plan = navit_resize(3000, 3000, tight)
+    assert (plan.width, plan.height, plan.pad_width, plan.pad_height) == (896, 896, 0, 0)
+    assert plan.grid_thw == (1, 64, 64) and plan.num_tokens == 1024
