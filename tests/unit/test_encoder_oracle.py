@@ -1,0 +1,155 @@
+"""Our encoder + loader against transformers' native Kimi-K2.5 implementation (the numeric oracle).
+
+A tiny random `Kimi_K25Model` is saved with `save_pretrained`, loaded by our loader, and both run one
+packed forward over images of several grids (equal to and different from the 8x8 pos-emb grid, so the
+bicubic resize is exercised) and video chunks of 2, 3 and 4 frames.
+
+Weights are re-drawn at "trained-like" scale (unit-variance activations, q/k gain 2) rather than
+transformers' std 0.02 init: with tiny weights attention is almost uniform and a wrong RoPE or
+position embedding would hide under the tolerance. `test_oracle_is_sensitive` checks that it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+kimi = pytest.importorskip("transformers.models.kimi_k25")
+
+from safetensors.torch import save_file  # noqa: E402
+
+from backends.weights.loader import load_vision_model, unpermute_rope_rows  # noqa: E402
+
+TOL = 1e-5
+HEADS = 4
+# (t, h, w): (1,8,8) equals the pos-emb grid; the others resize it; t>1 are video chunks.
+GRIDS = [(1, 4, 6), (1, 8, 8), (1, 10, 4), (2, 6, 8), (3, 4, 4), (4, 8, 10)]
+
+
+def tiny_config():
+    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=HEADS,
+                  num_hidden_layers=2, hidden_size=64, intermediate_size=128, merge_kernel_size=[2, 2])
+    # The smallest deepseek_v3 that constructs; only its hidden_size (projector output) matters here.
+    text = dict(model_type="deepseek_v3", hidden_size=96, num_hidden_layers=1, vocab_size=128, intermediate_size=64,
+                moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
+                n_shared_experts=1, num_experts_per_tok=1, first_k_dense_replace=1, q_lora_rank=None,
+                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    cfg = kimi.Kimi_K25Config(vision_config=vision, text_config=text, projection_hidden_size=64)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def reinit_(model: torch.nn.Module, seed: int) -> None:
+    """Norms 1+0.1N / 0.1N, pos-emb N(0,1), matrices N(0,1/fan_in) (q/k x2), biases 0.1N. In place."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
+            elif "position_embeddings" in name:
+                p.copy_(noise)
+            elif p.ndim >= 2:
+                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+                p.copy_(noise * gain / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(0.1 * noise)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    model = kimi.Kimi_K25Model(tiny_config()).eval()
+    reinit_(model.vision_tower, 1)
+    reinit_(model.mm_projector, 2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    gen = torch.Generator().manual_seed(3)
+    n = sum(t * h * w for t, h, w in GRIDS)
+    return torch.randn(n, 3, 14, 14, generator=gen), torch.tensor(GRIDS)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, inputs):
+    pixels, grids = inputs
+    with torch.no_grad():
+        per_media = hf_model.get_image_features(pixels, grids).pooler_output
+    assert [x.shape[0] for x in per_media] == [h * w // 4 for _, h, w in GRIDS]
+    return torch.cat(per_media)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_save_pretrained_base_model(hf_model, inputs, reference, tmp_path):
+    """Layout written by `Kimi_K25Model.save_pretrained` (vision_tower.blocks.N.{norm1,norm2,wqkv,...})."""
+    hf_model.save_pretrained(tmp_path)
+    model, cfg = load_vision_model(tmp_path)
+    assert cfg.encoder.num_layers == 2 and cfg.encoder.text_hidden_size == 96
+    assert model.dtype == torch.float32
+    out = model(*inputs[:1], inputs[1].tolist())
+    assert out.shape == reference.shape
+    assert rel_err(out, reference) <= TOL
+
+
+def test_save_pretrained_conditional_generation(hf_model, inputs, reference, tmp_path):
+    """`Kimi_K25ForConditionalGeneration.save_pretrained` writes a mix (original block names, but
+    `vision_tower.encoder.patch_embed.proj` and `model.mm_projector.pre_norm`)."""
+    cg = kimi.Kimi_K25ForConditionalGeneration(tiny_config())
+    cg.model.load_state_dict(hf_model.state_dict())
+    cg.save_pretrained(tmp_path)
+    model, _ = load_vision_model(tmp_path)
+    assert rel_err(model(inputs[0], inputs[1].tolist()), reference) <= TOL
+
+
+def test_in_memory_state_dict_layout(hf_model, inputs, reference, tmp_path):
+    """transformers' in-memory names (split, rope-permuted q/k), with a `model.` prefix as in
+    Kimi_K25ForConditionalGeneration."""
+    state = {f"model.{k}": v.contiguous() for k, v in hf_model.state_dict().items()
+             if k.startswith(("vision_tower.", "mm_projector."))}
+    assert any(".attn.q_proj." in k for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    hf_model.config.save_pretrained(tmp_path)
+    model, _ = load_vision_model(tmp_path)
+    assert rel_err(model(inputs[0], inputs[1].tolist()), reference) <= TOL
+
+
+def test_oracle_is_sensitive(hf_model, inputs, reference, tmp_path):
+    """Negative control: dropping RoPE or the time embedding must break the tolerance by far."""
+    hf_model.save_pretrained(tmp_path)
+    model, _ = load_vision_model(tmp_path)
+    pixels, grids = inputs
+    no_rope = model(pixels, grids.tolist(), rope=lambda q, k, freqs: (q, k))
+    assert rel_err(no_rope, reference) > 1e3 * TOL
+    model.vision_tower.patch_embed.pos_emb.time_weight.zero_()
+    assert rel_err(model(pixels, grids.tolist()), reference) > 1e3 * TOL
+
+
+def test_unpermute_inverts_transformers_permute_for_rope():
+    from transformers.core_model_loading import PermuteForRope
+
+    cfg = tiny_config()
+    w = torch.randn(64, 64)
+    b = torch.randn(64)
+    op = PermuteForRope(subconfig_key="vision_config")
+    assert torch.equal(unpermute_rope_rows(op._permute_for_rope(w, cfg), HEADS), w)
+    assert torch.equal(unpermute_rope_rows(op._permute_for_rope(b, cfg), HEADS), b)
+    assert not torch.equal(op._permute_for_rope(w, cfg), w)
+
+
+def test_saved_config_is_read(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    _, cfg = load_vision_model(tmp_path)
+    enc = cfg.encoder
+    assert (enc.hidden_size, enc.num_heads, enc.intermediate_size) == (64, HEADS, 128)
+    assert (enc.init_pos_emb_height, enc.init_pos_emb_width, enc.init_pos_emb_time) == (8, 8, 4)
+    assert cfg.tokens.media_pad == saved["image_token_id"]
