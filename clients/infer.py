@@ -3,6 +3,7 @@
     python -m clients.infer --image a.jpg --image b.png                     # prompt built for you
     python -m clients.infer --ids 163602,163603,163605,163604,1,2 --image a.jpg --protocol http
     python -m clients.infer --image a.jpg --shm system                       # inputs/outputs via shm
+    python -m clients.infer --image f0.jpg --image f1.jpg --image cat.png --media-frames 2,0   # chunk + image
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def parse_ids(text: str) -> np.ndarray:
     try:
         return np.asarray([int(t) for t in text.replace(" ", "").split(",") if t], dtype=np.int64)
     except ValueError:
-        raise SystemExit(f"--ids must be comma-separated integers, got {text!r}") from None
+        raise SystemExit(f"expected comma-separated integers, got {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -28,16 +29,20 @@ def main(argv=None) -> int:
     ap.add_argument("--ids", help="comma-separated prompt token ids with one <|media_pad|> (163605) per image; "
                                   "default: a minimal prompt with one placeholder per --image")
     ap.add_argument("--image", action="append", default=[], type=Path, help="encoded image file, in prompt order")
+    ap.add_argument("--media-frames", help="comma-separated, one per media: 0 = image, t = video chunk of the next "
+                                           "t --image frames (default: every --image is an image)")
     ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     ap.add_argument("--shm", choices=["none", "system", "cuda"], default="none")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     images = [p.read_bytes() for p in args.image]
-    ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(len(images))
+    frames = parse_ids(args.media_frames) if args.media_frames else None
+    num_media = len(images) if frames is None else len(frames)
+    ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)
     client = KimiVisionClient(url, protocol=args.protocol)
     try:
-        result = client.infer(ids, images, shm=args.shm)
+        result = client.infer(ids, images, media_frames=frames, shm=args.shm)
     except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
         print(f"request failed: {exc}", file=sys.stderr)
         return 1

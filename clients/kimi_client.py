@@ -39,7 +39,8 @@ class VisionResult:
     def summary(self) -> str:
         lines = [f"expanded length: {self.expanded_ids.shape[0]} ids"]
         for i, (grid, n) in enumerate(zip(self.grid_thws.tolist(), self.token_counts.tolist())):
-            lines.append(f"image {i}: grid_thw {tuple(grid)} -> {n} tokens")
+            kind = "image" if grid[0] == 1 else f"video chunk ({grid[0]} frames)"
+            lines.append(f"media {i} ({kind}): grid_thw {tuple(grid)} -> {n} tokens")
         e = self.image_embeds
         lines.append(f"image embeds: shape {tuple(e.shape)} {e.dtype}, sum {float(e.sum(dtype=np.float64)):.6f}, "
                      f"sha256 {self.checksum()}")
@@ -70,15 +71,22 @@ class KimiVisionClient:
             import tritonclient.http as tc
         self.tc = tc
         self.client = tc.InferenceServerClient(url)
+        self._frames = None
 
     def close(self):
         self.client.close()
 
-    def infer(self, input_ids, images: Sequence[bytes], *, shm: str = "none",
-              output_capacity: int = 64 << 20, timeout_s: float | None = None) -> VisionResult:
-        """One request through the ensemble. `output_capacity` bounds IMAGE_EMBEDS in shm modes."""
+    def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
+              shm: str = "none", output_capacity: int = 64 << 20, timeout_s: float | None = None) -> VisionResult:
+        """One request through the ensemble.
+
+        media_frames: None when every image is a still image; else one entry per media in prompt
+        order, 0 for an image and t (1..4) for a video chunk whose t frames are the next t images.
+        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes.
+        """
         ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1))
         blobs = _bytes_tensor(images)
+        self._frames = None if media_frames is None else np.asarray(media_frames, dtype=np.int64).reshape(-1)
         if shm == "none":
             return self._infer_plain(ids, blobs, timeout_s)
         if shm == "system":
@@ -93,6 +101,10 @@ class KimiVisionClient:
         return a, b
 
     def _call(self, inputs, outputs, timeout_s):
+        if self._frames is not None:
+            f = self.tc.InferInput("MEDIA_FRAMES", list(self._frames.shape), "INT64")
+            f.set_data_from_numpy(self._frames)
+            inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
         return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
 

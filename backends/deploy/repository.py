@@ -59,6 +59,11 @@ def _tensor(name, dtype, dims, optional=False):
     return t
 
 
+# Optional everywhere: absent means every IMAGES entry is a still image; else one entry per media,
+# 0 for an image and t (1..4) for a video chunk of t consecutive IMAGES entries.
+MEDIA_FRAMES = {"name": "MEDIA_FRAMES", "data_type": "TYPE_INT64", "dims": [-1], "optional": True}
+
+
 def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int) -> dict:
     params = {
         "checkpoint": dep.checkpoint,
@@ -87,13 +92,13 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     dicts = {
         PLACEHOLDER: _python_model(
             dep, PLACEHOLDER,
-            [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1])],
+            [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
             [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1])],
             kind="KIND_CPU", count=1,  # id arithmetic and header reads: no GPU work
         ),
         PREPROCESS: _python_model(
             dep, PREPROCESS,
-            [_tensor("IMAGES", "TYPE_STRING", [-1]),
+            [_tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES,
              # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
              _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1], optional=True)],
             [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
@@ -109,7 +114,7 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
             "name": ENSEMBLE,
             "platform": "ensemble",
             "max_batch_size": 0,
-            "input": [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1])],
+            "input": [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
             "output": [
                 _tensor("EXPANDED_IDS", "TYPE_INT64", [-1]),
                 _tensor("IMAGE_EMBEDS", fp, [-1, hidden]),
@@ -118,10 +123,11 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
             ],
             "ensemble_scheduling": {"step": [
                 {"model_name": PLACEHOLDER, "model_version": -1,
-                 "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES"},
+                 "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES"},
                  "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"}},
                 {"model_name": PREPROCESS, "model_version": -1,
-                 "input_map": {"IMAGES": "IMAGES", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
+                 "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES",
+                               "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
                  "output_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"}},
                 {"model_name": ENCODER, "model_version": -1,
                  "input_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"},

@@ -38,7 +38,7 @@ def check_one_placeholder_per_image(input_ids, media_pad_id: int, num_images: in
     if found != num_images:
         raise RequestError(
             f"the prompt has {found} <|media_pad|> placeholder token(s) (id {media_pad_id}) but {num_images} "
-            f"image(s) were sent; each image needs exactly one placeholder in INPUT_IDS"
+            f"image(s) were sent; each image (or video chunk) needs exactly one placeholder in INPUT_IDS"
         )
     return ids
 

@@ -1,4 +1,14 @@
-"""Encoded images -> (PIXEL_VALUES, GRID_THWS): decode, navit resize, pad, normalize, patchify."""
+"""Encoded images -> (PIXEL_VALUES, GRID_THWS): decode, navit resize, pad, normalize, patchify.
+
+A request carries media in prompt order, one `<|media_pad|>` each. A media is either a still image
+(one IMAGES entry) or a video chunk of 1..4 frames (that many consecutive IMAGES entries), as the
+optional MEDIA_FRAMES input says: one entry per media, 0 for an image, t for a chunk of t frames.
+A chunk is planned from its first frame with the per-frame patch limit and every frame is resized
+to that size (reference doc §1.7), giving grid (t, h, w) and h*w/4 tokens.
+
+On CPU the resize is Pillow itself (the reference). On a GPU the decoded uint8 frame is uploaded
+and resized by `bicubic.resize_bicubic`, which equals Pillow bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +21,8 @@ from PIL import Image
 
 from backends.config import MediaConfig
 from backends.errors import RequestError
-from backends.preprocess.decode import decode_rgb, image_size, to_uint8_hwc
+from backends.preprocess.bicubic import resize_bicubic
+from backends.preprocess.decode import decode_rgb, image_size
 from backends.preprocess.patchify import normalization_table, pad_normalize_patchify
 from backends.preprocess.resize_rule import ResizePlan, navit_resize
 
@@ -20,58 +31,108 @@ from backends.preprocess.resize_rule import ResizePlan, navit_resize
 class Limits:
     """Per-request limits (model config parameters). Every violation is a RequestError."""
 
-    max_images: int = 64
+    max_images: int = 64  # IMAGES entries (frames count one each)
     max_patches: int = 16384 * 8
     max_image_pixels: int = 179_000_000  # Pillow's own hard bomb limit (2 x MAX_IMAGE_PIXELS)
 
 
-def plan_images(blobs: Sequence[bytes], media: MediaConfig, limits: Limits) -> list[ResizePlan]:
-    """Read each image's header (no pixel decode) and plan its resize; enforce the request limits."""
+@dataclass(frozen=True)
+class MediaPlan:
+    plan: ResizePlan
+    frames: tuple[int, ...]  # indices into IMAGES
+    is_video: bool
+
+
+def split_media(num_blobs: int, media_frames, media: MediaConfig) -> list[tuple[tuple[int, ...], bool]]:
+    """Group IMAGES indices into media from MEDIA_FRAMES (None: every entry is an image)."""
+    if media_frames is None:
+        return [((i,), False) for i in range(num_blobs)]
+    frames = np.asarray(media_frames).reshape(-1)
+    if frames.size and not np.issubdtype(frames.dtype, np.integer):
+        raise RequestError(f"MEDIA_FRAMES must be integers, got {frames.dtype}")
+    limit = media.temporal_merge_kernel_size
+    if frames.size and (frames.min() < 0 or frames.max() > limit):
+        raise RequestError(f"MEDIA_FRAMES entries must be 0 (image) or 1..{limit} (video chunk frames), "
+                           f"got {frames.tolist()}")
+    needed = int(np.maximum(frames, 1).sum())
+    if needed != num_blobs:
+        raise RequestError(f"MEDIA_FRAMES {frames.tolist()} describes {needed} IMAGES entries but {num_blobs} were sent")
+    groups, start = [], 0
+    for f in frames.tolist():
+        n = max(f, 1)
+        groups.append((tuple(range(start, start + n)), f > 0))
+        start += n
+    return groups
+
+
+def plan_media(blobs: Sequence[bytes], media: MediaConfig, limits: Limits, media_frames=None) -> list[MediaPlan]:
+    """Read headers (no pixel decode), plan each media's resize, enforce the request limits."""
     if len(blobs) > limits.max_images:
         raise RequestError(f"{len(blobs)} images in one request exceeds the limit max_images={limits.max_images}")
     plans = []
-    for i, blob in enumerate(blobs):
-        w, h = image_size(blob, i, max_pixels=limits.max_image_pixels)
-        plans.append(navit_resize(w, h, media))
-    total = sum(p.num_patches for p in plans)
+    for indices, is_video in split_media(len(blobs), media_frames, media):
+        sizes = [image_size(blobs[i], i, max_pixels=limits.max_image_pixels) for i in indices]
+        w, h = sizes[0]
+        if is_video:
+            plan = navit_resize(w, h, media, patch_limit=media.in_patch_limit_each_frame, frames=len(indices))
+        else:
+            plan = navit_resize(w, h, media)
+        plans.append(MediaPlan(plan, indices, is_video))
+    total = sum(p.plan.num_patches for p in plans)
     if total > limits.max_patches:
         raise RequestError(f"the request's images need {total} patches, exceeding the limit max_patches={limits.max_patches}")
     return plans
 
 
-def resize_pillow(img: Image.Image, plan: ResizePlan) -> Image.Image:
+def plan_images(blobs: Sequence[bytes], media: MediaConfig, limits: Limits) -> list[ResizePlan]:
+    """Still images only: one ResizePlan per IMAGES entry."""
+    return [m.plan for m in plan_media(blobs, media, limits)]
+
+
+def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
     """The checkpoint's own resize call: Pillow BICUBIC on the uint8 RGB image."""
-    if not plan.needs_resize:
+    if img.size == (width, height):
         return img
-    return img.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+    return img.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
 class Preprocessor:
     """Stateful only in its normalization table (built once, kept on the target device)."""
 
     def __init__(self, media: MediaConfig, limits: Limits = Limits(), device: str | torch.device = "cpu",
-                 out_dtype: torch.dtype = torch.float32):
+                 out_dtype: torch.dtype = torch.float32, resize: str | None = None):
         self.media = media
         self.limits = limits
         self.device = torch.device(device)
         self.out_dtype = out_dtype
+        # "pillow" on CPU (it is the reference and fast there), "torch" (our exact port) elsewhere.
+        self.resize = resize or ("pillow" if self.device.type == "cpu" else "torch")
+        if self.resize not in ("pillow", "torch"):
+            raise ValueError(f"resize must be 'pillow' or 'torch', got {self.resize!r}")
         self.table = torch.from_numpy(normalization_table(media)).to(self.device)
 
-    def plan(self, blobs: Sequence[bytes]) -> list[ResizePlan]:
-        return plan_images(blobs, self.media, self.limits)
+    def plan(self, blobs: Sequence[bytes], media_frames=None) -> list[MediaPlan]:
+        return plan_media(blobs, self.media, self.limits, media_frames)
 
-    def __call__(self, blobs: Sequence[bytes]) -> tuple[torch.Tensor, np.ndarray, list[ResizePlan]]:
+    def frame(self, blob: bytes, index: int, plan: ResizePlan) -> torch.Tensor:
+        """One decoded, resized frame: (h, w, 3) uint8 on the target device."""
+        img = decode_rgb(blob, index, max_pixels=self.limits.max_image_pixels)
+        if self.resize == "pillow":
+            return torch.from_numpy(np.array(resize_pillow(img, plan.width, plan.height))).to(self.device)
+        pixels = torch.from_numpy(np.array(img))
+        if self.device.type == "cuda":
+            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
+        return resize_bicubic(pixels, plan.width, plan.height)
+
+    def __call__(self, blobs: Sequence[bytes], media_frames=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans."""
-        plans = self.plan(blobs)
+        plans = self.plan(blobs, media_frames)
         chunks = []
-        for i, (blob, plan) in enumerate(zip(blobs, plans)):
-            img = decode_rgb(blob, i, max_pixels=self.limits.max_image_pixels)
-            if img.size != (plan.src_width, plan.src_height):
-                raise RequestError(f"image {i}: decoded size {img.size} differs from its header size "
-                                   f"{(plan.src_width, plan.src_height)}")
-            pixels = torch.from_numpy(to_uint8_hwc(resize_pillow(img, plan)).copy()).to(self.device)
-            chunks.append(pad_normalize_patchify(pixels, plan, self.table, self.out_dtype))
+        for m in plans:
+            frames = [self.frame(blobs[i], i, m.plan) for i in m.frames]
+            pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
+            chunks.append(pad_normalize_patchify(pixels, m.plan, self.table, self.out_dtype))
         p = self.media.patch_size
         pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
-        grid_thws = np.asarray([plan.grid_thw for plan in plans], dtype=np.int64).reshape(-1, 3)
+        grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
         return pixel_values, grid_thws, plans

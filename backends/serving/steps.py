@@ -16,7 +16,7 @@ import torch
 from backends.config import DEMO_CONFIG, VisionConfig
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
-from backends.preprocess.pipeline import Limits, Preprocessor, plan_images
+from backends.preprocess.pipeline import Limits, Preprocessor, plan_media, split_media
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +48,21 @@ class ModelSettings:
 
 
 class PlaceholderStep:
-    """INPUT_IDS + IMAGES -> EXPANDED_IDS + IMAGE_TOKEN_COUNTS. Reads image headers only.
+    """INPUT_IDS + IMAGES (+ MEDIA_FRAMES) -> EXPANDED_IDS + IMAGE_TOKEN_COUNTS. Reads headers only.
 
-    The 1:1 check runs first, before any image byte is looked at; when it fails nothing downstream
-    runs, because kimi_preprocess waits on IMAGE_TOKEN_COUNTS.
+    The 1:1 check (one placeholder per media) runs first, before any image byte is looked at; when
+    it fails nothing downstream runs, because kimi_preprocess waits on IMAGE_TOKEN_COUNTS.
     """
 
     def __init__(self, cfg: VisionConfig, limits: Limits = Limits()):
         self.cfg, self.limits = cfg, limits
 
-    def __call__(self, input_ids: np.ndarray, images: Sequence[bytes]) -> dict[str, np.ndarray]:
+    def __call__(self, input_ids: np.ndarray, images: Sequence[bytes], media_frames=None) -> dict[str, np.ndarray]:
         pad = self.cfg.tokens.media_pad
-        ids = check_one_placeholder_per_image(input_ids, pad, len(images))
-        plans = plan_images(images, self.cfg.media, self.limits)
-        counts = [p.num_tokens for p in plans]
+        num_media = len(split_media(len(images), media_frames, self.cfg.media))
+        ids = check_one_placeholder_per_image(input_ids, pad, num_media)
+        plans = plan_media(images, self.cfg.media, self.limits, media_frames)
+        counts = [m.plan.num_tokens for m in plans]
         return {
             "EXPANDED_IDS": expand_placeholders(ids, pad, counts),
             "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64),
@@ -69,18 +70,19 @@ class PlaceholderStep:
 
 
 class PreprocessStep:
-    """IMAGES (+ optional IMAGE_TOKEN_COUNTS to cross-check) -> PIXEL_VALUES + GRID_THWS."""
+    """IMAGES (+ MEDIA_FRAMES, + IMAGE_TOKEN_COUNTS to cross-check) -> PIXEL_VALUES + GRID_THWS."""
 
     def __init__(self, cfg: VisionConfig, limits: Limits = Limits(), device: str = "cpu",
                  out_dtype: torch.dtype = torch.float32):
         self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
 
-    def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None):
-        pixel_values, grid_thws, plans = self.pre(images)
+    def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None):
+        pixel_values, grid_thws, plans = self.pre(images, media_frames)
         if expected_counts is not None:
-            counts = [p.num_tokens for p in plans]
-            if list(np.asarray(expected_counts).reshape(-1)) != counts:
-                raise RequestError(f"IMAGE_TOKEN_COUNTS {list(expected_counts)} does not match the images' {counts}")
+            counts = [m.plan.num_tokens for m in plans]
+            if np.asarray(expected_counts).reshape(-1).tolist() != counts:
+                raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
+                                   f"the images' {counts}")
         return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws}
 
 

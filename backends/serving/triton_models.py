@@ -39,7 +39,15 @@ def _bytes_list(tensor) -> list[bytes]:
 
 
 def _to_torch(tensor) -> torch.Tensor:
+    shape = tuple(tensor.shape())
+    if 0 in shape:  # an empty tensor has no pointer to share; its dtype is fixed by the consumer
+        return torch.empty(shape)
     return from_dlpack(tensor.to_dlpack())
+
+
+def _optional_numpy(request, name: str):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
 
 
 def _output(name: str, value) -> "pb_utils.Tensor":
@@ -47,9 +55,11 @@ def _output(name: str, value) -> "pb_utils.Tensor":
         value = torch.from_numpy(np.ascontiguousarray(value))
     value = value.contiguous()
     if value.numel() == 0:
-        if value.dtype == torch.bfloat16:
-            raise RequestError(f"{name}: empty BF16 outputs are not supported")  # guarded by callers
-        return pb_utils.Tensor(name, np.zeros(tuple(value.shape), dtype=_NUMPY_EMPTY[value.dtype]))
+        # Empty tensors have no device pointer to export; numpy where it has the dtype, else an empty
+        # host tensor through DLPack (bfloat16).
+        if value.dtype in _NUMPY_EMPTY:
+            return pb_utils.Tensor(name, np.zeros(tuple(value.shape), dtype=_NUMPY_EMPTY[value.dtype]))
+        value = torch.empty(tuple(value.shape), dtype=value.dtype)
     return pb_utils.Tensor.from_dlpack(name, to_dlpack(value))
 
 
@@ -121,7 +131,7 @@ class PlaceholderModel(_Adapter):
     def respond(self, request):
         ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
         images = _bytes_list(pb_utils.get_input_tensor_by_name(request, "IMAGES"))
-        return self.step(ids, images)
+        return self.step(ids, images, _optional_numpy(request, "MEDIA_FRAMES"))
 
 
 def _out_dtype(config: dict, tensor: str) -> torch.dtype:
@@ -140,8 +150,7 @@ class PreprocessModel(_Adapter):
 
     def respond(self, request):
         images = _bytes_list(pb_utils.get_input_tensor_by_name(request, "IMAGES"))
-        counts = pb_utils.get_input_tensor_by_name(request, "IMAGE_TOKEN_COUNTS")
-        return self.step(images, None if counts is None else counts.as_numpy())
+        return self.step(images, _optional_numpy(request, "IMAGE_TOKEN_COUNTS"), _optional_numpy(request, "MEDIA_FRAMES"))
 
 
 class EncoderModel(_Adapter):
@@ -153,7 +162,6 @@ class EncoderModel(_Adapter):
         model, cfg = load_model(self.settings.checkpoint, self.settings.device,
                                 dtype=_out_dtype(self.config, "IMAGE_EMBEDS"))
         self.step = EncoderStep(model, cfg.encoder.patch_size, cfg.encoder.merge_tokens)
-        self.text_hidden = cfg.encoder.text_hidden_size
 
     def execute(self, requests):
         parsed: list[EncoderRequest | Exception] = []
@@ -173,11 +181,5 @@ class EncoderModel(_Adapter):
                 self.failures.inc(result)
                 responses.append(_error(result, self.name))
             else:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[self._embeds(result)]))
+                responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", result)]))
         return responses
-
-    def _embeds(self, embeds: torch.Tensor):
-        if embeds.numel() == 0 and embeds.dtype == torch.bfloat16:
-            # numpy has no bfloat16: an empty BF16 tensor is described to Triton as raw bytes of size 0.
-            return pb_utils.Tensor.from_dlpack("IMAGE_EMBEDS", to_dlpack(torch.empty((0, self.text_hidden), dtype=torch.float32)))
-        return _output("IMAGE_EMBEDS", embeds)

@@ -159,3 +159,24 @@ def test_preprocess_is_usable_on_its_own(server):
     pv, grids, _ = Preprocessor(DEMO_CONFIG.media)([blob])
     assert r.as_numpy("GRID_THWS").tolist() == grids.tolist()
     assert np.array_equal(r.as_numpy("PIXEL_VALUES"), pv.numpy())
+
+
+def test_video_chunk_and_image_through_the_ensemble(server):
+    frames = [encode(photo_like(600, 400, seed=s), "JPEG") for s in range(4)]
+    still = encode(text_card(300, 200), "PNG")
+    blobs = frames + [still]
+    client = KimiVisionClient(server.grpc_url)
+    r = client.infer(chat_prompt_ids(2), blobs, media_frames=[4, 0])
+    client.close()
+    pv, grids, plans = Preprocessor(DEMO_CONFIG.media)(blobs, media_frames=[4, 0])
+    embeds = demo_model(DEMO_CONFIG.encoder)(pv, grids).numpy()
+    assert r.grid_thws.tolist() == grids.tolist() and grids[0, 0] == 4
+    assert r.token_counts.tolist() == [m.plan.num_tokens for m in plans]
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_media_frames_is_a_clear_error(server):
+    client = KimiVisionClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="MEDIA_FRAMES"):
+        client.infer(chat_prompt_ids(1), images()[:2], media_frames=[3])
+    client.close()

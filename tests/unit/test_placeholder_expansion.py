@@ -84,3 +84,19 @@ def test_adjacent_placeholders_count_one_each():
 def test_malformed_ids_are_request_errors(bad):
     with pytest.raises(RequestError):
         expand_placeholders(bad, PAD, [1])
+
+
+def test_placeholder_step_counts_one_placeholder_per_media():
+    from backends.config import DEMO_CONFIG
+    from backends.serving.steps import PlaceholderStep
+    from clients.samples import encode, photo_like
+
+    frames = [encode(photo_like(1200, 900, seed=s), "PNG") for s in range(2)]
+    still = encode(photo_like(300, 200), "PNG")
+    step = PlaceholderStep(DEMO_CONFIG)
+    out = step(np.array([1, PAD, 2, PAD, 3]), frames + [still], media_frames=[2, 0])
+    counts = out["IMAGE_TOKEN_COUNTS"].tolist()
+    assert counts == [28 * 38, 88]  # the chunk is planned with the per-frame limit: grid (2, 56, 76)
+    assert out["EXPANDED_IDS"].tolist() == expand_by_loop([1, PAD, 2, PAD, 3], PAD, counts)
+    with pytest.raises(RequestError, match="has 2 <|media_pad|> placeholder token.s. .id 163605. but 3"):
+        step(np.array([1, PAD, 2, PAD, 3]), frames + [still])  # without MEDIA_FRAMES: 3 images

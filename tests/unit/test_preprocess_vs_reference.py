@@ -6,9 +6,11 @@ then the navit_patchify reshape/transpose. Equality is exact.
 """
 
 import io
+import re
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from backends.config import MediaConfig
@@ -69,7 +71,7 @@ def test_sizes_and_padding_equal_the_reference(size):
     ref, grid = reference_processor(blob)
     assert grids.tolist() == [grid]
     np.testing.assert_array_equal(pv.numpy(), ref)
-    if plans[0].pad_width or plans[0].pad_height:
+    if plans[0].plan.pad_width or plans[0].plan.pad_height:
         # Padding lands on -mean/std (-1 for K2.5), never 0.
         assert pv.numpy().min() == -1.0
 
@@ -109,3 +111,60 @@ def test_limits_are_enforced_with_their_names():
         Preprocessor(MEDIA, Limits(max_patches=10))([good])
     with pytest.raises(RequestError, match="max_image_pixels=1000"):
         Preprocessor(MEDIA, Limits(max_image_pixels=1000))([good])
+
+
+def reference_video_chunk(blobs, media: MediaConfig = MEDIA):
+    """Reference chunk processing (doc §1.7): plan from the first frame with the per-frame patch
+    limit, resize every frame to that size, pad, normalize, patchify t-major."""
+    frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+    plan = navit_resize(frames[0].width, frames[0].height, media, patch_limit=media.in_patch_limit_each_frame)
+    arrs = []
+    for img in frames:
+        if img.size != (plan.width, plan.height):
+            img = img.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
+        arrs.append(np.pad(np.asarray(img), ((0, plan.pad_height), (0, plan.pad_width), (0, 0))))
+    x = (np.stack(arrs) / 255.0).astype(np.float32)
+    x -= np.asarray(media.image_mean)
+    x *= 1.0 / np.asarray(media.image_std)
+    t, h, w, _ = x.shape
+    p = media.patch_size
+    x = x.reshape(t, h // p, p, w // p, p, 3).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 3, p, p)
+    return x, [t, h // p, w // p]
+
+
+def test_video_chunk_and_image_in_one_request_equal_the_reference():
+    # 1200x900 frames: the per-frame limit (4096 patches) shrinks them, where an image would not be.
+    frames = [encode(photo_like(1200, 900, seed=s), "JPEG") for s in range(3)]
+    still = encode(photo_like(1200, 900, seed=9), "PNG")
+    pv, grids, plans = Preprocessor(MEDIA)(frames + [still], media_frames=[3, 0])
+    chunk, chunk_grid = reference_video_chunk(frames)
+    image, image_grid = reference_processor(still)
+    assert grids.tolist() == [chunk_grid, image_grid]
+    # per-frame limit 4096 (floor-divided counts): 1200x900 -> 1041x780, padded to a 56x76 grid;
+    # as a still image it keeps 1200x900 -> 66x86.
+    assert chunk_grid == [3, 56, 76] and image_grid == [1, 66, 86]
+    np.testing.assert_array_equal(pv.numpy(), np.concatenate([chunk, image]))
+    assert [m.is_video for m in plans] == [True, False]
+
+
+def test_one_frame_chunk_uses_the_per_frame_limit():
+    blob = encode(photo_like(1200, 900), "PNG")
+    _, grids, _ = Preprocessor(MEDIA)([blob], media_frames=[1])
+    assert grids.tolist() == [reference_video_chunk([blob])[1]]
+
+
+@pytest.mark.parametrize("frames,needle", [([2], "describes 2 IMAGES entries but 1"), ([5], "0 (image) or 1..4"),
+                                           ([-1], "0 (image) or 1..4")])
+def test_bad_media_frames_are_request_errors(frames, needle):
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        Preprocessor(MEDIA)([encode(photo_like(30, 30), "PNG")], media_frames=frames)
+
+
+def test_torch_resize_path_equals_the_pillow_path():
+    # The GPU path (decode -> upload -> our exact bicubic) run on CPU: same bits as Pillow's.
+    blobs = [encode(photo_like(3000, 2000, seed=4), "JPEG"), encode(text_card(), "PNG"),
+             encode(photo_like(1200, 900, seed=5), "PNG"), encode(photo_like(1200, 900, seed=6), "PNG")]
+    a, ga, _ = Preprocessor(MEDIA)(blobs, media_frames=[0, 0, 2])
+    b, gb, _ = Preprocessor(MEDIA, resize="torch")(blobs, media_frames=[0, 0, 2])
+    assert ga.tolist() == gb.tolist()
+    assert torch.equal(a, b)
