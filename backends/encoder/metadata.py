@@ -65,14 +65,23 @@ class ForwardMetadata:
 _ROPE_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _rope_for_grid(cfg: EncoderConfig, h: int, w: int) -> torch.Tensor:
-    key = (cfg.head_dim, cfg.rope_theta, h, w)
+def _rope_for_grid(cfg: EncoderConfig, h: int, w: int, device: torch.device) -> torch.Tensor:
+    """The (h*w, D/2) table for one grid, built once per (grid, device) and kept there: a forward
+    only concatenates device tensors, no host-to-device copy of the table."""
+    key = (cfg.head_dim, cfg.rope_theta, h, w, str(device))
     table = _ROPE_CACHE.get(key)
     if table is None:
         if len(_ROPE_CACHE) > 256:
             _ROPE_CACHE.clear()
-        table = _ROPE_CACHE[key] = rope_angles_table(cfg, h, w)
+        table = _ROPE_CACHE[key] = rope_angles_table(cfg, h, w).to(device)
     return table
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        t = t.pin_memory()  # a truly asynchronous copy; the stream never waits on the host
+    return t.to(device, non_blocking=True)
 
 
 def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
@@ -87,14 +96,15 @@ def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device
     cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
     device = torch.device(device)
     if grids:
-        rope = torch.cat([_rope_for_grid(cfg, h, w).repeat(t, 1) for t, h, w in grids])
+        parts = [_rope_for_grid(cfg, h, w, device) for _, h, w in grids]
+        rope = torch.cat([p.repeat(t, 1) if t > 1 else p for p, (t, _, _) in zip(parts, grids)])
     else:
-        rope = torch.empty((0, cfg.head_dim // 2), dtype=torch.complex64)
+        rope = torch.empty((0, cfg.head_dim // 2), dtype=torch.complex64, device=device)
     return ForwardMetadata(
         grids=grids,
         seq_lens=seq_lens,
         max_seqlen=max(seq_lens, default=0),
-        cu_seqlens=torch.from_numpy(cu).to(device, non_blocking=True),
-        rope=rope.to(device, non_blocking=True),
+        cu_seqlens=_to_device(cu, device),
+        rope=rope,
         token_counts=[(h // kh) * (w // kw) for _, h, w in grids],
     )

@@ -21,6 +21,7 @@ from torch import nn
 from backends.config import EncoderConfig
 from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.metadata import ForwardMetadata, build_metadata
+from backends.kernels import rope as fused_rope
 
 
 def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
@@ -39,6 +40,26 @@ def apply_rope_portable(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -
     return rotate(q), rotate(k)
 
 
+class Rope:
+    """The 2-D RoPE of one forward: the in-place Triton kernel for bf16/fp16 on CUDA (its table is
+    prepared once here and reused by every layer), the portable complex multiply otherwise."""
+
+    def __init__(self, freqs: torch.Tensor, device: torch.device, dtype: torch.dtype, fused: bool | None = None):
+        if fused is None:
+            fused = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fused_rope.triton is not None
+        self.freqs = freqs
+        self.prepared = fused_rope.prepare_rope(freqs) if fused else None
+
+    @property
+    def fused(self) -> bool:
+        return self.prepared is not None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prepared is not None:
+            return fused_rope.apply_rope_inplace(q, k, self.prepared)
+        return apply_rope_portable(q, k, self.freqs)
+
+
 class PosEmbDivided(nn.Module):
     """Learnable (H0, W0, D) grid, bicubically resized to each media's (h, w); sincos over time."""
 
@@ -55,9 +76,11 @@ class PosEmbDivided(nn.Module):
         return resized[0].permute(1, 2, 0).flatten(0, 1)
 
     def forward(self, x: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-        parts = []
+        parts, resized = [], {}
         for t, h, w in grids:
-            pos = self.grid(h, w)
+            if (h, w) not in resized:  # one interpolation per distinct grid in the batch
+                resized[(h, w)] = self.grid(h, w)
+            pos = resized[(h, w)]
             if t > 1:  # frame 0 of a chunk gets [0..0, 1..1]; single images get no time term
                 pos = (pos[None] + self.time_weight[:t, None, :]).flatten(0, 1)
             parts.append(pos.to(x.dtype))
@@ -98,12 +121,12 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = MLP(d, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope, attn_backend: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
         L = x.shape[0]
         qkv = self.wqkv(self.norm0(x)).view(L, 3, self.num_heads, self.head_dim)  # [q | k | v], head-major
-        q, k, v = qkv.unbind(1)
-        q, k = rope(q, k, meta.rope)
-        attn = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), meta, attn_backend)
+        q, k, v = qkv.unbind(1)  # strided views into qkv; the fused RoPE rotates them in place
+        q, k = rope(q, k)
+        attn = varlen_attention(q, k, v, meta, attn_backend)
         x = x + self.wo(attn.reshape(L, -1))
         return x + self.mlp(self.norm1(x))
 
@@ -122,10 +145,10 @@ class MoonViT3d(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = Encoder(cfg)
 
-    def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope=apply_rope_portable,
+    def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope: Rope,
                 attn_backend: str | None = None) -> torch.Tensor:
         """pixels: (L, 3, p, p) -> (L, D) after the final layer norm."""
-        backend = attn_backend or pick_backend(pixels.device, pixels.dtype)
+        backend = attn_backend or pick_backend(pixels.device, pixels.dtype, meta)
         x = self.patch_embed(pixels, meta.grids)
         for block in self.encoder.blocks:
             x = block(x, meta, rope, backend)
@@ -179,14 +202,15 @@ class KimiVisionModel(nn.Module):
         return build_metadata(self.cfg, grid_thws, self.device)
 
     @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor, grid_thws, rope=apply_rope_portable,
+    def forward(self, pixel_values: torch.Tensor, grid_thws, *, fused_rope: bool | None = None,
                 attn_backend: str | None = None) -> torch.Tensor:
         """pixel_values: (sum t*h*w, 3, p, p); grid_thws: host (M, 3). Returns (sum tokens, text_hidden)
-        in media order, in the model's dtype."""
+        in media order, in the model's dtype. `fused_rope`/`attn_backend` None = fastest available."""
         meta = grid_thws if isinstance(grid_thws, ForwardMetadata) else self.metadata(grid_thws)
         if pixel_values.shape[0] != meta.num_patches:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thws describes {meta.num_patches}")
         if not meta.grids:
             return pixel_values.new_empty((0, self.cfg.text_hidden_size), dtype=self.dtype)
+        rope = Rope(meta.rope, self.device, self.dtype, fused_rope)
         x = self.vision_tower(pixel_values.to(self.dtype), meta, rope, attn_backend)
         return self.mm_projector(tpool_patch_merge(x, meta, self.cfg.merge_kernel_size))

@@ -1,0 +1,130 @@
+"""In-place fused QK complex RoPE (Triton) for bf16/fp16 q, k on CUDA.
+
+Reference: `backends.encoder.moonvit3d.apply_rope_portable` (view adjacent pairs as complex64, multiply
+by the per-token rotation, cast back once). The kernel reproduces that arithmetic operation for
+operation - fp32 loads of (re, im), the complex product with the same fused multiply-adds CUDA's
+complex<float> multiply compiles to, one rounding to the input dtype - so its output is
+`torch.equal` to the portable path on the GPU, not merely close.
+
+Prepared once per encoder forward (`prepare_rope`): the rotation table as interleaved fp32 (cos, sin)
+pairs, shared by all layers. The kernel reads q and k through their strides (token, head, 1), so it
+works in place on the q/k views of the packed QKV projection: RoPE costs one read and one write of q
+and k, and no extra copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton use the portable path
+    triton = None
+
+
+@dataclass(frozen=True)
+class PreparedRope:
+    """cos_sin: (L, D/2, 2) float32 contiguous, [..., 0] = cos, [..., 1] = sin."""
+
+    cos_sin: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cos_sin.shape[0]
+
+    @property
+    def num_pairs(self) -> int:
+        return self.cos_sin.shape[1]
+
+
+def prepare_rope(freqs: torch.Tensor) -> PreparedRope:
+    """freqs: (L, D/2) complex64 rotations (the portable path's table) -> PreparedRope."""
+    if not torch.is_complex(freqs):
+        raise ValueError(f"prepare_rope takes the complex64 rotation table, got {freqs.dtype}")
+    return PreparedRope(torch.view_as_real(freqs.to(torch.complex64)).contiguous())
+
+
+def can_use_fused_rope(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return (triton is not None and q.is_cuda and k.is_cuda and q.dtype == k.dtype
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape == k.shape and q.dim() == 3
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[-1] % 2 == 0)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_tokens"])  # random image sizes must not recompile
+    def _rope_inplace_kernel(
+        q_ptr, k_ptr, cs_ptr,
+        n_tokens,
+        q_stride_t, q_stride_h, k_stride_t, k_stride_h,
+        NUM_HEADS: tl.constexpr, NUM_PAIRS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+        ARITH: tl.constexpr,
+    ):
+        # One program: BLOCK_T tokens x all heads of q and k. The (cos, sin) tile is loaded once and
+        # reused for 2 * NUM_HEADS rotations.
+        pid = tl.program_id(0)
+        tok = pid * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (BT, 1)
+        pair = tl.arange(0, BLOCK_P)[None, :]  # (1, BP)
+        mask = (tok < n_tokens) & (pair < NUM_PAIRS)
+        tok64 = tok.to(tl.int64)  # long videos overflow int32 offsets
+        cs = cs_ptr + (tok64 * NUM_PAIRS + pair) * 2
+        c = tl.load(cs, mask=mask, other=0.0)
+        s = tl.load(cs + 1, mask=mask, other=0.0)
+        for h in tl.static_range(NUM_HEADS):
+            for which in tl.static_range(2):
+                if which == 0:
+                    base = q_ptr + tok64 * q_stride_t + h * q_stride_h + 2 * pair
+                else:
+                    base = k_ptr + tok64 * k_stride_t + h * k_stride_h + 2 * pair
+                a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+                b = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+                # (a + bi)(c + di), with the roundings of the portable path on this device (ARITH).
+                if ARITH == 0:  # two rounded products, then the sum (CPU ATen; needs fp fusion off)
+                    re = a * c - b * s
+                    im = a * s + b * c
+                elif ARITH == 1:  # the first product fused: fma(a, c, -(b*d)), fma(a, d, b*c)
+                    re = tl.fma(a, c, -(b * s))
+                    im = tl.fma(a, s, b * c)
+                else:  # the second product fused: fma(-b, d, a*c), fma(b, c, a*d)
+                    re = tl.fma(-b, s, a * c)
+                    im = tl.fma(b, c, a * s)
+                tl.store(base, re.to(base.dtype.element_ty), mask=mask)
+                tl.store(base + 1, im.to(base.dtype.element_ty), mask=mask)
+
+
+# How torch's complex64 multiply rounds, per device type: ATen's CPU kernel rounds both products
+# (ARITH 0); CUDA's complex<float> operator* is contracted by nvcc into FMAs (ARITH 1, checked on
+# an H200 by tests/gpu/test_gpu_kernels.py, which tries all three).
+PORTABLE_ARITH = {"cpu": 0, "cuda": 1}
+
+
+def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
+                       block_t: int = 16, arith: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1)."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    L, H, D = q.shape
+    if k.shape != q.shape or q.dtype != k.dtype:
+        raise ValueError(f"q and k must match: {tuple(q.shape)} {q.dtype} vs {tuple(k.shape)} {k.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need a unit stride in the head dimension")
+    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
+        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
+                         f"q is {L} x {D}")
+    if L == 0:
+        return q, k
+    if arith is None:
+        arith = PORTABLE_ARITH.get(q.device.type, 1)
+    grid = (triton.cdiv(L, block_t),)
+    _rope_inplace_kernel[grid](
+        q, k, prepared.cos_sin, L,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        NUM_HEADS=H, NUM_PAIRS=D // 2, BLOCK_T=block_t, BLOCK_P=triton.next_power_of_2(D // 2),
+        ARITH=arith, enable_fp_fusion=arith != 0,
+    )
+    return q, k

@@ -1,0 +1,71 @@
+"""The fused in-place RoPE kernel against the portable complex multiply, on CPU through Triton's
+interpreter (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are defined).
+
+On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here and fp16
+bit for bit; tests/gpu/test_gpu_kernels.py asserts torch.equal for both dtypes on the GPU.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHECK = r"""
+import torch
+from backends.config import EncoderConfig
+from backends.encoder.metadata import rope_angles_table
+from backends.encoder.moonvit3d import apply_rope_portable
+from backends.kernels.rope import apply_rope_inplace, prepare_rope
+
+torch.manual_seed(0)
+for tokens in (1, 37, 300):
+    for head_dim in (72, 64, 128):
+        heads = 16 if tokens < 300 else 4
+        cfg = EncoderConfig(hidden_size=heads * head_dim, num_heads=heads)
+        freqs = rope_angles_table(cfg, 20, 20)[:tokens]
+        for dtype in (torch.float16, torch.bfloat16):
+            qkv = torch.randn(tokens, 3, heads, head_dim).to(dtype)
+            ref_q, ref_k = apply_rope_portable(qkv[:, 0].clone(), qkv[:, 1].clone(), freqs)
+            v_before = qkv[:, 2].clone()
+            q, k = qkv[:, 0], qkv[:, 1]  # strided views: rotated in place inside qkv
+            apply_rope_inplace(q, k, prepare_rope(freqs))
+            assert torch.equal(qkv[:, 2], v_before), "v must not be touched"
+            for got, ref in ((qkv[:, 0], ref_q), (qkv[:, 1], ref_k)):
+                if dtype == torch.float16:
+                    assert torch.equal(got, ref), (tokens, head_dim, dtype)
+                else:
+                    # one bf16 ulp: |got - ref| <= eps * |ref|
+                    torch.testing.assert_close(got, ref, rtol=torch.finfo(dtype).eps, atol=1e-30)
+print("ok")
+"""
+
+
+def test_fused_rope_matches_portable_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_prepare_rejects_a_real_valued_table():
+    from backends.kernels.rope import prepare_rope
+
+    with pytest.raises(ValueError, match="complex64"):
+        prepare_rope(torch.randn(8, 36))
+
+
+def test_rejects_fp32_and_mismatched_tables():
+    from backends.kernels.rope import apply_rope_inplace, prepare_rope
+
+    freqs = torch.polar(torch.ones(4, 36), torch.rand(4, 36))
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        apply_rope_inplace(torch.zeros(4, 2, 72), torch.zeros(4, 2, 72), prepare_rope(freqs))
+    with pytest.raises(ValueError, match="rotation table is for 4 tokens"):
+        apply_rope_inplace(torch.zeros(5, 2, 72, dtype=torch.bfloat16), torch.zeros(5, 2, 72, dtype=torch.bfloat16),
+                           prepare_rope(freqs))
