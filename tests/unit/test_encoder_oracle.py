@@ -12,7 +12,6 @@ position embedding would hide under the tolerance. `test_oracle_is_sensitive` ch
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ kimi = pytest.importorskip("transformers.models.kimi_k25")
 from safetensors.torch import save_file  # noqa: E402
 
 from backends.weights.loader import load_vision_model, unpermute_rope_rows  # noqa: E402
+from tests.hf_oracle import hf_config, reinit_, rel_err  # noqa: E402
 
 TOL = 1e-5
 HEADS = 4
@@ -31,33 +31,7 @@ GRIDS = [(1, 4, 6), (1, 8, 8), (1, 10, 4), (2, 6, 8), (3, 4, 4), (4, 8, 10)]
 
 
 def tiny_config():
-    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=HEADS,
-                  num_hidden_layers=2, hidden_size=64, intermediate_size=128, merge_kernel_size=[2, 2])
-    # The smallest deepseek_v3 that constructs; only its hidden_size (projector output) matters here.
-    text = dict(model_type="deepseek_v3", hidden_size=96, num_hidden_layers=1, vocab_size=128, intermediate_size=64,
-                moe_intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2,
-                n_shared_experts=1, num_experts_per_tok=1, first_k_dense_replace=1, q_lora_rank=None,
-                kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-    cfg = kimi.Kimi_K25Config(vision_config=vision, text_config=text, projection_hidden_size=64)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-def reinit_(model: torch.nn.Module, seed: int) -> None:
-    """Norms 1+0.1N / 0.1N, pos-emb N(0,1), matrices N(0,1/fan_in) (q/k x2), biases 0.1N. In place."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
-            elif "position_embeddings" in name:
-                p.copy_(noise)
-            elif p.ndim >= 2:
-                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(noise * gain / math.sqrt(p[0].numel()))
-            else:
-                p.copy_(0.1 * noise)
+    return hf_config(hidden=64, layers=2, heads=HEADS, intermediate=128, pos_emb=8, text_hidden=96)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +57,6 @@ def reference(hf_model, inputs):
         per_media = hf_model.get_image_features(pixels, grids).pooler_output
     assert [x.shape[0] for x in per_media] == [h * w // 4 for _, h, w in GRIDS]
     return torch.cat(per_media)
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 def test_save_pretrained_base_model(hf_model, inputs, reference, tmp_path):

@@ -1,8 +1,11 @@
-"""The fused in-place RoPE kernel against the portable complex multiply, on CPU through Triton's
-interpreter (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are defined).
+"""Our Triton kernels against their torch references, on CPU through Triton's interpreter
+(TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are defined).
 
-On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here and fp16
-bit for bit; tests/gpu/test_gpu_kernels.py asserts torch.equal for both dtypes on the GPU.
+- fused in-place RoPE vs the portable complex multiply;
+- fused pad + normalize + patchify vs `pad_normalize_patchify` (bit for bit).
+
+On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here and
+fp16/fp32 bit for bit; tests/gpu/test_gpu_kernels.py asserts torch.equal for every dtype on the GPU.
 """
 
 import os
@@ -43,11 +46,27 @@ for tokens in (1, 37, 300):
                 else:
                     # one bf16 ulp: |got - ref| <= eps * |ref|
                     torch.testing.assert_close(got, ref, rtol=torch.finfo(dtype).eps, atol=1e-30)
+
+from backends.config import MediaConfig
+from backends.kernels.patchify import normalize_patchify
+from backends.preprocess.patchify import normalization_table, pad_normalize_patchify
+from backends.preprocess.resize_rule import navit_resize
+
+media = MediaConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
+table = torch.from_numpy(normalization_table(media))
+for w, h, t in [(30, 20, 1), (57, 41, 2), (28, 28, 1), (1, 1, 1), (100, 3, 4)]:
+    plan = navit_resize(w, h, media, frames=t)
+    img = torch.randint(0, 256, (t, h, w, 3), dtype=torch.uint8)
+    ref = pad_normalize_patchify(img, plan, table, torch.float32)
+    assert torch.equal(normalize_patchify(img, plan, table, torch.float32), ref), (w, h, t)
+    # bf16: the interpreter truncates on conversion, so within one bf16 ulp here (exact on the GPU).
+    got = normalize_patchify(img, plan, table, torch.bfloat16)
+    torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-30)
 print("ok")
 """
 
 
-def test_fused_rope_matches_portable_under_the_interpreter():
+def test_fused_kernels_match_their_references_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
