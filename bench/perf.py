@@ -1,8 +1,9 @@
-"""`make perf`: the real perf_analyzer over gRPC against the ensemble, fixed inputs, concurrency 1/2/4.
+"""`make perf`: the real perf_analyzer over gRPC against the ensemble, fixed inputs, several concurrencies.
 
-Inputs: the `make run` request (a 640x480 JPEG and a 300x200 PNG, one placeholder each). Prints
-perf_analyzer's table of throughput and latency per concurrency and writes the raw CSV under build/perf/.
-Recorded, never asserted: absolute numbers mean something only on the machine that produced them.
+Inputs (`--images`): `sample` = the `make run` request (a 640x480 JPEG and a 300x200 PNG), or `1024` =
+one 1024x1024 JPEG. Prints throughput (requests/s and images/s) and p50/p99 latency per concurrency
+and writes perf_analyzer's CSVs under --out. Recorded, never asserted: absolute numbers mean something
+only on the machine that produced them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from pathlib import Path
 from backends.deploy.repository import Deployment, render_repository
 from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port, resolve_device
 from clients.kimi_client import chat_prompt_ids
-from clients.samples import sample_images
+from clients.samples import encode, photo_like, sample_images
+
+
+def request_images(kind: str) -> list[bytes]:
+    if kind == "sample":
+        return sample_images()
+    if kind == "1024":
+        return [encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)]
+    raise SystemExit(f"--images must be 'sample' or '1024', got {kind!r}")
 
 
 def write_input_data(path: Path, images: list[bytes]) -> Path:
@@ -48,8 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     ap.add_argument("--perf-dir", type=Path, default=Path(".venv/perf_analyzer"))
-    ap.add_argument("--concurrency", default="1:4", help="perf_analyzer --concurrency-range (default 1:4 = 1,2,3,4)")
-    ap.add_argument("--concurrency-step", default="", help="optional step, e.g. '2' with 1:4 gives 1, 3")
+    ap.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
+    ap.add_argument("--images", default="sample", help="'sample' (2 images per request) or '1024' (one 1024^2 JPEG)")
     ap.add_argument("--measurement-ms", type=int, default=4000)
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
@@ -57,31 +66,34 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-perf-{device}")
-    data = write_input_data(args.out / "input_data.json", sample_images())
+    images = request_images(args.images)
+    data = write_input_data(args.out / "input_data.json", images)
     binary = args.perf_dir / "bin" / "perf_analyzer"
     if not binary.exists():
         raise SystemExit(f"{binary} not found: run `make perf` (it installs perf_analyzer) or pass --perf-dir")
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           cuda_pool_bytes=default_pool_bytes(device))
-    csv_path = args.out / f"perf_{device}.csv"
-    crange = args.concurrency + (f":{args.concurrency_step}" if args.concurrency_step else "")
+    rows = []
+    t0 = time.monotonic()
     with server:
-        cmd = [str(binary), "-m", "kimi_k25_vision", "-i", "grpc", "-u", server.grpc_url,
-               "--input-data", str(data), "--concurrency-range", crange,
-               "--measurement-interval", str(args.measurement_ms), "--percentile", "99",
-               "-f", str(csv_path), "--verbose-csv"]
-        print("$", " ".join(cmd), flush=True)
-        t0 = time.monotonic()
-        subprocess.run(cmd, check=True, env=perf_analyzer_env(args.perf_dir))
-        wall = time.monotonic() - t0
-    print(f"\n{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, perf_analyzer wall {wall:.0f}s")
+        for level in [int(c) for c in args.concurrency.split(",")]:
+            csv_path = args.out / f"perf_{device}_{args.images}_c{level}.csv"
+            cmd = [str(binary), "-m", "kimi_k25_vision", "-i", "grpc", "-u", server.grpc_url,
+                   "--input-data", str(data), "--concurrency-range", f"{level}:{level}",
+                   "--measurement-interval", str(args.measurement_ms), "--percentile", "99",
+                   "-f", str(csv_path), "--verbose-csv"]
+            print("$", " ".join(cmd), flush=True)
+            subprocess.run(cmd, check=True, env=perf_analyzer_env(args.perf_dir), stdout=subprocess.DEVNULL)
+            with open(csv_path) as f:
+                rows += list(csv.DictReader(f))
+    wall = time.monotonic() - t0
+    print(f"\n{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, images={args.images} "
+          f"({len(images)} per request), {time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s")
     print(f"{'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
-    with open(csv_path) as f:
-        for row in sorted(csv.DictReader(f), key=lambda r: int(r["Concurrency"])):
-            rps = float(row["Inferences/Second"])
-            print(f"{row['Concurrency']:>11} {rps:9.2f} {2 * rps:9.2f} "
-                  f"{float(row['p50 latency']) / 1000:9.1f} {float(row['p99 latency']) / 1000:9.1f}")
+    for row in rows:
+        rps = float(row["Inferences/Second"])
+        print(f"{row['Concurrency']:>11} {rps:9.2f} {len(images) * rps:9.2f} "
+              f"{float(row['p50 latency']) / 1000:9.1f} {float(row['p99 latency']) / 1000:9.1f}")
     return 0
 
 

@@ -1,0 +1,59 @@
+"""End-to-end latency through tritonserver (GPU deployment, a random real-size checkpoint): one request
+per case, client-measured over gRPC, median of N, for 1x1024^2, 1x3000^2 and 8x448^2 JPEGs.
+
+    python -m bench.e2e_bench --checkpoint /tmp/kimi-random --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from backends.deploy.repository import Deployment, render_repository
+from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port
+from bench.gpu_timing import machine_line
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+
+CASES = {"1x1024^2": [(1024, 1024)], "1x3000^2": [(3000, 3000)], "8x448^2": [(448, 448)] * 8}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    repo = render_repository(Deployment(device="gpu", checkpoint=args.checkpoint), BUILD / "model_repository-e2e")
+    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          cuda_pool_bytes=default_pool_bytes("gpu"), log_path=BUILD / "tritonserver-e2e.log")
+    lines = [f"# Ensemble end to end (tritonserver, GPU deployment, random real-size weights)\n\n{machine_line()}\n",
+             "| case | median ms | min ms | embeds |", "|---|---|---|---|"]
+    results = {}
+    with server:
+        client = KimiVisionClient(server.grpc_url)
+        for case, sizes in CASES.items():
+            blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
+            ids = chat_prompt_ids(len(blobs))
+            r = client.infer(ids, blobs)  # warm-up (kernel compilation, caches)
+            times = []
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                client.infer(ids, blobs)
+                times.append((time.perf_counter() - t0) * 1e3)
+            results[case] = {"median_ms": statistics.median(times), "min_ms": min(times)}
+            lines.append(f"| {case} | {statistics.median(times):.1f} | {min(times):.1f} | {tuple(r.image_embeds.shape)} |")
+        client.close()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (args.out / "e2e_bench.md").write_text(text)
+    (args.out / "e2e_bench.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

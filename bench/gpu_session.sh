@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything we run on the GPU machine, in stages, writing results under $OUT (or bench/out).
+#   bash bench/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
+#   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks
+#   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
+# Needs the wheels the host lacks in .whl/ (../shared/tools/offline_wheels.sh .whl; .whl/perf holds the
+# perf_analyzer binary (xz), libcudart 12 and libb64, see README "Performance").
+set -uo pipefail
+out=${OUT:-bench/out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if [[ ! -d /tmp/site/pytriton ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+if [[ -d .whl/fa4 ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
+perf_setup() {
+  mkdir -p /tmp/perf/bin
+  python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.whl/perf/perf_analyzer.xz'), open('/tmp/perf/bin/perf_analyzer','wb'))"
+  chmod +x /tmp/perf/bin/perf_analyzer
+  dpkg -x .whl/perf/libb64-0d_*.deb /tmp/perf/b64
+  python3 -m pip install -q --no-index --no-deps --target /tmp/perf .whl/perf/nvidia_cuda_runtime_cu12-*.whl
+  export LD_LIBRARY_PATH=/tmp/perf/b64/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+for stage in "$@"; do
+  case $stage in
+    tests)
+      python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|Error|error" | head -80 ;;
+    bench)
+      python3 -m bench.encoder_bench --out "$out" 2>&1 | tail -40
+      python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
+    perf)
+      perf_setup
+      python3 -m bench.make_checkpoint /tmp/kimi-random > /dev/null
+      python3 -m bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" 2>&1 | tail -12
+      python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
+        --concurrency 1,4,16 --measurement-ms 3000 --out "$out/perf" 2>&1 | tail -8 | tee "$out/perf_gpu.txt" ;;
+  esac
+done

@@ -1,0 +1,63 @@
+"""Timing helpers for GPU benchmarks: CUDA-event medians, the machine's bf16 matmul peak and its
+device-to-device copy bandwidth, both measured in the same run as the numbers they normalize."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+
+def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn() over `iters` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
+    """Median wall-clock milliseconds (host work included), synchronizing the GPU if present."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def matmul_peak_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: a @ b, warmup=5, iters=20)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, counting bytes read + written (GB/s)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), warmup=3, iters=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def machine_line() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.node()} | {name} | torch {torch.__version__} | "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
