@@ -80,14 +80,17 @@ def main(argv=None) -> int:
             t_ref = cuda_time_ms(lambda: hf.get_image_features(pixels, image_grid_thw=grid_t), iters=args.iters)
         results[case] = {"transformers_sdpa_ms": t_ref, "flops": flops}
         rows.append((case, "transformers SDPA", t_ref, flops / (t_ref * 1e-3) / 1e12 / peak, 1.0, 0.0))
-        for backend in backends:
-            for fused in (True, False):
-                out = ours(pixels, grid_np, attn_backend=backend, fused_rope=fused)
-                err = rel_err(out.float(), ref_out.float())
-                ms = cuda_time_ms(lambda: ours(pixels, grid_np, attn_backend=backend, fused_rope=fused), iters=args.iters)
-                label = f"ours {backend}" + ("" if fused else " (portable RoPE)")
-                rows.append((case, label, ms, flops / (ms * 1e-3) / 1e12 / peak, t_ref / ms, err))
-                results[case][label] = {"ms": ms, "rel_err_vs_transformers": err}
+        variants = [(b, True, False) for b in backends] + [(b, True, True) for b in backends]
+        variants.append((backends[0], False, False))
+        for backend, fused, compiled in variants:
+            ours.compile_blocks(compiled)
+            out = ours(pixels, grid_np, attn_backend=backend, fused_rope=fused)
+            err = rel_err(out.float(), ref_out.float())
+            ms = cuda_time_ms(lambda: ours(pixels, grid_np, attn_backend=backend, fused_rope=fused), iters=args.iters)
+            label = f"ours {backend}" + (" + compiled blocks" if compiled else "") + ("" if fused else " (portable RoPE)")
+            rows.append((case, label, ms, flops / (ms * 1e-3) / 1e12 / peak, t_ref / ms, err))
+            results[case][label] = {"ms": ms, "rel_err_vs_transformers": err}
+        ours.compile_blocks(False)
         torch.cuda.empty_cache()
 
     lines.append("| case | implementation | ms | MFU | speed-up vs transformers | max rel diff vs transformers (bf16) |")

@@ -27,6 +27,8 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|Error|error" | head -80 ;;
+    profile)
+      python3 -m bench.profile_encoder --out "$out" 2>&1 | grep -E "^##|Self CUDA time total|^ *[a-zA-Z_:<>]" | head -90 ;;
     bench)
       python3 -m bench.encoder_bench --out "$out" 2>&1 | tail -40
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;

@@ -12,6 +12,7 @@ site-packages and the repo root on PYTHONPATH so the stub imports torch, numpy a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
@@ -36,16 +37,20 @@ def gpu_available() -> bool:
         return False
 
 
-def pytriton_root() -> Path:
-    import pytriton
+def _pytriton_dir() -> Path:
+    # Located, not imported: importing pytriton pulls in its HTTP client (gevent), which we do not need.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed (it ships tritonserver): run `make setup`")
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
 
-    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+def pytriton_root() -> Path:
+    return _pytriton_dir() / "tritonserver"
 
 
 def pytriton_libs() -> Path:
-    import pytriton
-
-    return Path(pytriton.__file__).resolve().parent.parent / "nvidia_pytriton.libs"
+    return _pytriton_dir().parent / "nvidia_pytriton.libs"
 
 
 def prepare_backend_dir(dest: Path) -> Path:

@@ -101,13 +101,37 @@ class PatchEmbed(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc1(gelu_tanh(fc0(x))); applied by `attention_out_and_mlp`, this module only holds the weights."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc0 = nn.Linear(dim, hidden)
         self.fc1 = nn.Linear(hidden, dim)
 
-    def forward(self, x):
-        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+
+def attention_in(x, norm_w, norm_b, eps: float, qkv_w, qkv_b):
+    """LN0 + QKV projection: (L, D) -> (L, 3D). Kept as a plain function of tensors so that
+    `KimiVisionModel.compile_blocks()` can fuse it once for all layers."""
+    return F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), qkv_w, qkv_b)
+
+
+def attention_out_and_mlp(x, attn, wo_w, wo_b, norm_w, norm_b, eps: float, fc0_w, fc0_b, fc1_w, fc1_b):
+    """x + wo(attn), then + fc1(gelu_tanh(fc0(LN1(.)))): the rest of a block after attention."""
+    x = x + F.linear(attn, wo_w, wo_b)
+    h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
+    return x + F.linear(F.gelu(F.linear(h, fc0_w, fc0_b), approximate="tanh"), fc1_w, fc1_b)
+
+
+class BlockOps:
+    """The two non-attention halves of a block, eager or compiled (shared by all layers)."""
+
+    def __init__(self, compiled: bool = False):
+        self.compiled = compiled
+        if compiled:
+            self.attention_in = torch.compile(attention_in, dynamic=True)
+            self.attention_out_and_mlp = torch.compile(attention_out_and_mlp, dynamic=True)
+        else:
+            self.attention_in, self.attention_out_and_mlp = attention_in, attention_out_and_mlp
 
 
 class EncoderBlock(nn.Module):
@@ -121,14 +145,16 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = MLP(d, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str,
+                ops: BlockOps) -> torch.Tensor:
         L = x.shape[0]
-        qkv = self.wqkv(self.norm0(x)).view(L, 3, self.num_heads, self.head_dim)  # [q | k | v], head-major
-        q, k, v = qkv.unbind(1)  # strided views into qkv; the fused RoPE rotates them in place
-        q, k = rope(q, k)
+        qkv = ops.attention_in(x, self.norm0.weight, self.norm0.bias, self.norm0.eps, self.wqkv.weight, self.wqkv.bias)
+        q, k, v = qkv.view(L, 3, self.num_heads, self.head_dim).unbind(1)  # [q | k | v], head-major views
+        q, k = rope(q, k)  # the fused kernel rotates the views in place inside qkv
         attn = varlen_attention(q, k, v, meta, attn_backend)
-        x = x + self.wo(attn.reshape(L, -1))
-        return x + self.mlp(self.norm1(x))
+        return ops.attention_out_and_mlp(x, attn.reshape(L, -1), self.wo.weight, self.wo.bias, self.norm1.weight,
+                                         self.norm1.bias, self.norm1.eps, self.mlp.fc0.weight, self.mlp.fc0.bias,
+                                         self.mlp.fc1.weight, self.mlp.fc1.bias)
 
 
 class Encoder(nn.Module):
@@ -144,6 +170,7 @@ class MoonViT3d(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = Encoder(cfg)
+        self.ops = BlockOps(compiled=False)
 
     def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope: Rope,
                 attn_backend: str | None = None) -> torch.Tensor:
@@ -151,7 +178,7 @@ class MoonViT3d(nn.Module):
         backend = attn_backend or pick_backend(pixels.device, pixels.dtype, meta)
         x = self.patch_embed(pixels, meta.grids)
         for block in self.encoder.blocks:
-            x = block(x, meta, rope, backend)
+            x = block(x, meta, rope, backend, self.ops)
         return self.encoder.final_layernorm(x)
 
 
@@ -197,6 +224,12 @@ class KimiVisionModel(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.mm_projector.pre_norm.weight.dtype
+
+    def compile_blocks(self, enabled: bool = True) -> "KimiVisionModel":
+        """Fuse the norms, bias adds, GELU and residuals of every block with torch.compile (dynamic
+        shapes: one compilation serves every image size). Attention and RoPE stay on their kernels."""
+        self.vision_tower.ops = BlockOps(compiled=enabled)
+        return self
 
     def metadata(self, grid_thws) -> ForwardMetadata:
         return build_metadata(self.cfg, grid_thws, self.device)

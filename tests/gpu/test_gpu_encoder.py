@@ -12,7 +12,9 @@ from backends.encoder.attention import available_backends
 from tests.hf_oracle import hf_config, hf_image_features, hf_model, load_ours, rel_err
 
 DEV = "cuda"
-GRIDS = [(1, 32, 32), (1, 74, 74), (1, 10, 36), (4, 16, 20), (1, 64, 64)]
+# Images only: transformers 5.17 (on the GPU host) fails on t > 1 chunks in get_image_features; video
+# chunks are checked against transformers 5.24 on CPU (tests/unit/test_encoder_oracle.py).
+GRIDS = [(1, 32, 32), (1, 74, 74), (1, 10, 36), (1, 16, 20), (1, 64, 64)]
 
 
 @pytest.fixture(scope="module")
