@@ -3,14 +3,16 @@
 #   bash bench/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
 #   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks
 #   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
-# Needs the wheels the host lacks in .whl/ (../shared/tools/offline_wheels.sh .whl; .whl/perf holds the
-# perf_analyzer binary (xz), libcudart 12 and libb64, see README "Performance").
+# Carry what the host lacks: .whl/gpu and .whl/perf, made by bench/pack_gpu_wheels.sh (under 64 MiB).
+# Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
 set -uo pipefail
-out=${OUT:-bench/out}; mkdir -p "$out"
+out=/tmp/results; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 if [[ ! -d /tmp/site/pytriton ]]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/serve/*.whl || exit 1
+  mkdir -p /tmp/site && tar -xJf .whl/gpu/pytriton-slim.tar.xz -C /tmp/site || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/*.whl || exit 1
 fi
+# /tmp/site first: numpy 1.26 there, because the 2.51 Python backend stub misbehaves under numpy 2.
 export PYTHONPATH=/tmp/site:$PWD
 if [[ -d .whl/fa4 ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
 perf_setup() {
@@ -26,7 +28,8 @@ python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch
 for stage in "$@"; do
   case $stage in
     tests)
-      python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|Error|error" | head -80 ;;
+      python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py > "$out/gpu_tests.log" 2>&1
+      grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|^E  " "$out/gpu_tests.log" | head -60 ;;
     profile)
       python3 -m bench.profile_encoder --out "$out" 2>&1 | grep -E "^##|Self CUDA time total|^ *[a-zA-Z_:<>]" | head -90 ;;
     bench)
@@ -40,3 +43,8 @@ for stage in "$@"; do
         --concurrency 1,4,16 --measurement-ms 3000 --out "$out/perf" 2>&1 | tail -8 | tee "$out/perf_gpu.txt" ;;
   esac
 done
+cp build/tritonserver-*.log "$out/" 2>/dev/null
+if [[ -n "${OUT:-}" ]]; then
+  cp "$out"/*.md "$out"/gpu_tests.log "$OUT/" 2>/dev/null
+  tar -czf "$OUT/results.tgz" -C "$out" .
+fi

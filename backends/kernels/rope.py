@@ -60,25 +60,29 @@ if triton is not None:
         q_ptr, k_ptr, cs_ptr,
         n_rows,
         q_stride_t, q_stride_h, k_stride_t, k_stride_h,
-        NUM_HEADS: tl.constexpr, NUM_PAIRS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
         ARITH: tl.constexpr,
     ):
-        # Rows are (token, head) pairs of q (program_id(1) == 0) or k (== 1). Each row's (re, im)
-        # pairs are loaded as one contiguous (BLOCK_P, 2) tile, so loads and stores are coalesced.
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None, None]  # (R, 1, 1)
-        pair = tl.arange(0, BLOCK_P)[None, :, None]  # (1, P, 1)
-        part = tl.arange(0, 2)[None, None, :]  # (1, 1, 2): 0 = re, 1 = im
-        mask = (row < n_rows) & (pair < NUM_PAIRS) & (part < 2)
+        # Rows are (token, head) pairs of q (program_id(1) == 0) or k (== 1); each row's HEAD_DIM values
+        # are one contiguous, coalesced load. Element e pairs with e ^ 1 (its complex partner, read
+        # again from L1), and uses the rotation (cos_j, sin_j) of pair j = e // 2.
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # (R, 1)
+        e = tl.arange(0, BLOCK_D)[None, :]  # (1, D)
+        mask = (row < n_rows) & (e < HEAD_DIM)
         tok = (row // NUM_HEADS).to(tl.int64)  # int64: long videos overflow int32 offsets
         head = row % NUM_HEADS
         if tl.program_id(1) == 0:
-            ptr = q_ptr + tok * q_stride_t + head * q_stride_h + 2 * pair + part
+            base = q_ptr + tok * q_stride_t + head * q_stride_h
         else:
-            ptr = k_ptr + tok * k_stride_t + head * k_stride_h + 2 * pair + part
-        x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-        cs = tl.load(cs_ptr + (tok * NUM_PAIRS + pair) * 2 + part, mask=mask, other=0.0)
-        a, b = tl.split(x)
-        c, s = tl.split(cs)
+            base = k_ptr + tok * k_stride_t + head * k_stride_h
+        x = tl.load(base + e, mask=mask, other=0.0).to(tl.float32)
+        partner = tl.load(base + (e ^ 1), mask=mask, other=0.0).to(tl.float32)
+        pair = tok * HEAD_DIM + (e // 2) * 2  # cos_sin is (L, D/2, 2): cos at 2j, sin at 2j + 1
+        c = tl.load(cs_ptr + pair, mask=mask, other=0.0)
+        s = tl.load(cs_ptr + pair + 1, mask=mask, other=0.0)
+        even = (e % 2) == 0
+        a = tl.where(even, x, partner)  # the pair's real part
+        b = tl.where(even, partner, x)  # its imaginary part
         # (a + bi)(c + di), with the roundings of the portable path on this device (ARITH).
         if ARITH == 0:  # two rounded products, then the sum (needs fp fusion off)
             re = a * c - b * s
@@ -89,7 +93,7 @@ if triton is not None:
         else:  # the second product fused: fma(-b, d, a*c), fma(b, c, a*d)
             re = tl.fma(-b, s, a * c)
             im = tl.fma(b, c, a * s)
-        tl.store(ptr, tl.join(re, im).to(ptr.dtype.element_ty), mask=mask)
+        tl.store(base + e, tl.where(even, re, im).to(base.dtype.element_ty), mask=mask)
 
 
 # How torch's complex64 multiply rounds, per device type: ATen's CPU kernel rounds both products
@@ -100,7 +104,7 @@ PORTABLE_ARITH = {"cpu": 0, "cuda": 1}
 
 
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
-                       block_r: int = 32, arith: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_r: int = 64, arith: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -122,7 +126,7 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
     _rope_inplace_kernel[grid](
         q, k, prepared.cos_sin, L * H,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        NUM_HEADS=H, NUM_PAIRS=D // 2, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(D // 2),
+        NUM_HEADS=H, HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D),
         ARITH=arith, enable_fp_fusion=arith != 0,
     )
     return q, k
