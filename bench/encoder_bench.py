@@ -80,8 +80,8 @@ def main(argv=None) -> int:
             t_ref = cuda_time_ms(lambda: hf.get_image_features(pixels, image_grid_thw=grid_t), iters=args.iters)
         results[case] = {"transformers_sdpa_ms": t_ref, "flops": flops}
         rows.append((case, "transformers SDPA", t_ref, flops / (t_ref * 1e-3) / 1e12 / peak, 1.0, 0.0))
-        variants = [(b, True, False) for b in backends] + [(b, True, True) for b in backends]
-        variants.append((backends[0], False, False))
+        # Compiled blocks measured no faster than eager on the H200 (bench/RESULTS.md), so one is kept.
+        variants = [(b, True, False) for b in backends] + [(backends[0], True, True), (backends[0], False, False)]
         for backend, fused, compiled in variants:
             ours.compile_blocks(compiled)
             out = ours(pixels, grid_np, attn_backend=backend, fused_rope=fused)

@@ -8,13 +8,15 @@
 set -uo pipefail
 out=/tmp/results; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-if [[ ! -d /tmp/site/pytriton ]]; then
+if [[ ! -d /tmp/site/pytriton && -d .whl/gpu ]]; then
   mkdir -p /tmp/site && tar -xJf .whl/gpu/pytriton-slim.tar.xz -C /tmp/site || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/*.whl || exit 1
 fi
 # /tmp/site first: numpy 1.26 there, because the 2.51 Python backend stub misbehaves under numpy 2.
 export PYTHONPATH=/tmp/site:$PWD
-if [[ -d .whl/fa4 ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
+# flash-attn-4 (optional, ../shared/tools/offline_wheels.sh --fa4): its 92 MB library comes in two
+# calls, stages fa4a then fa4b, while the machine stays warm.
+if [[ -d /tmp/fa4/flash_attn ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
 perf_setup() {
   mkdir -p /tmp/perf/bin
   python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.whl/perf/perf_analyzer.xz'), open('/tmp/perf/bin/perf_analyzer','wb'))"
@@ -27,6 +29,10 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gp
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
+    fa4a) mkdir -p /tmp/fa4parts && cp .whl/fa4a/cu13part.aa /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
+    fa4b)
+      cat /tmp/fa4parts/cu13part.aa .whl/fa4b/cu13part.ab > /tmp/fa4parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4 .whl/fa4b/*.whl /tmp/fa4parts/*.whl && echo fa4 installed ;;
     tests)
       python3 -m pytest -q -s -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py > "$out/gpu_tests.log" 2>&1
       grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|^E  " "$out/gpu_tests.log" | head -60 ;;
