@@ -10,10 +10,13 @@ out=/tmp/results; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 if [[ ! -d /tmp/site/pytriton && -d .whl/gpu ]]; then
   mkdir -p /tmp/site && tar -xJf .whl/gpu/pytriton-slim.tar.xz -C /tmp/site || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/tritonclient-*.whl \
+    .whl/gpu/python_rapidjson-*.whl || exit 1
+  # numpy < 2 for the tritonserver stub only (it misreads BYTES inputs under numpy 2); the host's own
+  # Python (transformers) keeps its numpy 2.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np1 .whl/gpu/numpy-*.whl || exit 1
 fi
-# /tmp/site first: numpy 1.26 there, because the 2.51 Python backend stub misbehaves under numpy 2.
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD KIMI_STUB_PYTHONPATH=/tmp/np1
 # flash-attn-4 (optional, ../shared/tools/offline_wheels.sh --fa4): its 92 MB library comes in two
 # calls, stages fa4a then fa4b, while the machine stays warm.
 if [[ -d /tmp/fa4/flash_attn ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi

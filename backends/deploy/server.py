@@ -77,7 +77,10 @@ def server_env() -> dict[str, str]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(pytriton_libs()), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     site = sysconfig.get_paths()["purelib"]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), site, env.get("PYTHONPATH", "")) if p)
+    # KIMI_STUB_PYTHONPATH goes first: on a host whose Python has numpy >= 2, point it at a folder with
+    # numpy < 2, because the 2.51 stub misreads BYTES inputs and drops numpy outputs under numpy 2.
+    first = env.get("KIMI_STUB_PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, str(REPO_ROOT), site, env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
