@@ -12,6 +12,8 @@ if [[ ! -d /tmp/site/pytriton && -d .whl/gpu ]]; then
   mkdir -p /tmp/site && tar -xJf .whl/gpu/pytriton-slim.tar.xz -C /tmp/site || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gpu/tritonclient-*.whl \
     .whl/gpu/python_rapidjson-*.whl || exit 1
+fi
+if [[ ! -d /tmp/np1/numpy && -d .whl/gpu ]]; then
   # numpy < 2 for the tritonserver stub only (it misreads BYTES inputs under numpy 2); the host's own
   # Python (transformers) keeps its numpy 2.
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np1 .whl/gpu/numpy-*.whl || exit 1
