@@ -34,6 +34,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gp
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
+    diagnose)
+      python3 -m bench.diagnose_bytes --write-args /tmp/extra_args 2>&1 | grep DIAG
+      export KIMI_TRITONSERVER_ARGS="$(cat /tmp/extra_args)" ;;
     fa4a) mkdir -p /tmp/fa4parts && cp .whl/fa4a/cu13part.aa /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
     fa4b)
       cat /tmp/fa4parts/cu13part.aa .whl/fa4b/cu13part.ab > /tmp/fa4parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl

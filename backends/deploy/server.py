@@ -124,7 +124,8 @@ class TritonServer:
         ]
         if self.cuda_pool_bytes:
             cmd.append(f"--cuda-memory-pool-byte-size=0:{self.cuda_pool_bytes}")
-        return cmd + list(self.extra_args)
+        # Operator flags for every server we start (e.g. pool sizes), space-separated.
+        return cmd + os.environ.get("KIMI_TRITONSERVER_ARGS", "").split() + list(self.extra_args)
 
     def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
