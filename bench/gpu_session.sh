@@ -34,6 +34,9 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gp
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
+    servertests)
+      python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py > "$out/gpu_server_tests.log" 2>&1
+      grep -E "GPU_ENSEMBLE|SMALL_POOL|passed|failed|^E  " "$out/gpu_server_tests.log" | head -20 ;;
     diagnose)
       python3 -m bench.diagnose_bytes --write-args /tmp/extra_args 2>&1 | grep DIAG
       export KIMI_TRITONSERVER_ARGS="$(cat /tmp/extra_args)" ;;
