@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     ap.add_argument("--images", default="sample", help="'sample' (2 images per request) or '1024' (one 1024^2 JPEG)")
     ap.add_argument("--measurement-ms", type=int, default=4000)
+    ap.add_argument("--stability", type=int, default=25, help="perf_analyzer --stability-percentage")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
@@ -82,8 +83,13 @@ def main(argv=None) -> int:
                    "--input-data", str(data), "--concurrency-range", f"{level}:{level}",
                    "--measurement-interval", str(args.measurement_ms), "--percentile", "99",
                    "-f", str(csv_path), "--verbose-csv"]
+            cmd += ["--stability-percentage", str(args.stability), "--max-trials", "10"]
             print("$", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, env=perf_analyzer_env(args.perf_dir), stdout=subprocess.DEVNULL)
+            proc = subprocess.run(cmd, env=perf_analyzer_env(args.perf_dir), capture_output=True, text=True)
+            if proc.returncode != 0:
+                # e.g. exit 2: no stable window within --max-trials (a busy 2-core machine)
+                print(f"perf_analyzer exited {proc.returncode} at concurrency {level}:\n{proc.stdout[-1500:]}{proc.stderr[-800:]}")
+                continue
             with open(csv_path) as f:
                 rows += list(csv.DictReader(f))
     wall = time.monotonic() - t0
