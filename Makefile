@@ -57,7 +57,7 @@ $(PERF_STAMP): $(STAMP)
 	touch $@
 
 perf: $(PERF_STAMP)
-	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR)
+	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched
 
 clean:
 	rm -rf build .pytest_cache

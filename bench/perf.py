@@ -61,6 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--images", default="sample", help="'sample' (2 images per request) or '1024' (one 1024^2 JPEG)")
     ap.add_argument("--measurement-ms", type=int, default=4000)
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer --stability-percentage")
+    ap.add_argument("--ensembles", default="plain",
+                    help="comma-separated: plain (kimi_k25_vision) and/or batched (kimi_k25_vision_batched, "
+                         "requests of batch 1 that the server batches across clients); one server, one run")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
@@ -74,12 +77,14 @@ def main(argv=None) -> int:
         raise SystemExit(f"{binary} not found: run `make perf` (it installs perf_analyzer) or pass --perf-dir")
     server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           cuda_pool_bytes=default_pool_bytes(device))
+    names = {"plain": "kimi_k25_vision", "batched": "kimi_k25_vision_batched"}
+    runs = [(names[e], int(c)) for e in args.ensembles.split(",") for c in args.concurrency.split(",")]
     rows = []
     t0 = time.monotonic()
     with server:
-        for level in [int(c) for c in args.concurrency.split(",")]:
-            csv_path = args.out / f"perf_{device}_{args.images}_c{level}.csv"
-            cmd = [str(binary), "-m", "kimi_k25_vision", "-i", "grpc", "-u", server.grpc_url,
+        for model, level in runs:
+            csv_path = args.out / f"perf_{device}_{model}_{args.images}_c{level}.csv"
+            cmd = [str(binary), "-m", model, "-b", "1", "-i", "grpc", "-u", server.grpc_url,
                    "--input-data", str(data), "--concurrency-range", f"{level}:{level}",
                    "--measurement-interval", str(args.measurement_ms), "--percentile", "99",
                    "-f", str(csv_path), "--verbose-csv"]
@@ -91,14 +96,14 @@ def main(argv=None) -> int:
                 print(f"perf_analyzer exited {proc.returncode} at concurrency {level}:\n{proc.stdout[-1500:]}{proc.stderr[-800:]}")
                 continue
             with open(csv_path) as f:
-                rows += list(csv.DictReader(f))
+                rows += [{**row, "model": model} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
     print(f"\n{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, images={args.images} "
           f"({len(images)} per request), {time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s")
-    print(f"{'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+    print(f"{'ensemble':>24} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
     for row in rows:
         rps = float(row["Inferences/Second"])
-        print(f"{row['Concurrency']:>11} {rps:9.2f} {len(images) * rps:9.2f} "
+        print(f"{row['model']:>24} {row['Concurrency']:>11} {rps:9.2f} {len(images) * rps:9.2f} "
               f"{float(row['p50 latency']) / 1000:9.1f} {float(row['p99 latency']) / 1000:9.1f}")
     return 0
 

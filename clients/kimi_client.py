@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 MODEL = "kimi_k25_vision"
+# Same pipeline with a batch dimension of 1 on every tensor; the server batches such requests
+# across clients so that their images share one encoder forward.
+BATCHED_MODEL = "kimi_k25_vision_batched"
 MEDIA_PAD = 163605  # <|media_pad|> in the K2.5 checkpoint; a checkpoint's config can differ
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = 163602, 163603, 163604
 OUTPUTS = ("EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS")
@@ -61,10 +64,12 @@ def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:
 
 
 class KimiVisionClient:
-    def __init__(self, url: str, protocol: str = "grpc", model: str = MODEL):
+    def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False):
+        """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server)."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
-        self.protocol, self.model = protocol, model
+        self.protocol, self.batched = protocol, batched
+        self.model = model or (BATCHED_MODEL if batched else MODEL)
         if protocol == "grpc":
             import tritonclient.grpc as tc
         else:
@@ -95,26 +100,36 @@ class KimiVisionClient:
             return self._infer_cuda_shm(ids, blobs, output_capacity, timeout_s)
         raise ValueError(f"shm must be 'none', 'system' or 'cuda', got {shm!r}")
 
+    def _shape(self, array: np.ndarray) -> list[int]:
+        return ([1] if self.batched else []) + list(array.shape)
+
+    def _batch(self, array: np.ndarray) -> np.ndarray:
+        return array[None] if self.batched else array
+
+    def _output(self, result, name: str) -> np.ndarray:
+        array = result.as_numpy(name)
+        return array[0] if self.batched else array
+
     def _inputs(self, ids, blobs):
-        a = self.tc.InferInput("INPUT_IDS", list(ids.shape), "INT64")
-        b = self.tc.InferInput("IMAGES", list(blobs.shape), "BYTES")
+        a = self.tc.InferInput("INPUT_IDS", self._shape(ids), "INT64")
+        b = self.tc.InferInput("IMAGES", self._shape(blobs), "BYTES")
         return a, b
 
     def _call(self, inputs, outputs, timeout_s):
         if self._frames is not None:
-            f = self.tc.InferInput("MEDIA_FRAMES", list(self._frames.shape), "INT64")
-            f.set_data_from_numpy(self._frames)
+            f = self.tc.InferInput("MEDIA_FRAMES", self._shape(self._frames), "INT64")
+            f.set_data_from_numpy(self._batch(self._frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
         return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
 
     def _infer_plain(self, ids, blobs, timeout_s):
         a, b = self._inputs(ids, blobs)
-        a.set_data_from_numpy(ids)
-        b.set_data_from_numpy(blobs)
+        a.set_data_from_numpy(self._batch(ids))
+        b.set_data_from_numpy(self._batch(blobs))
         outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
         r = self._call([a, b], outputs, timeout_s)
-        return VisionResult(*(r.as_numpy(n) for n in OUTPUTS))
+        return VisionResult(*(self._output(r, n) for n in OUTPUTS))
 
     def _infer_system_shm(self, ids, blobs, capacity, timeout_s):
         import tritonclient.utils.shared_memory as shm
@@ -141,13 +156,14 @@ class KimiVisionClient:
             if serialized:
                 b.set_shared_memory(in_name, len(serialized), offset=ids.nbytes)
             else:
-                b.set_data_from_numpy(blobs)
+                b.set_data_from_numpy(self._batch(blobs))
             outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
             outputs[1].set_shared_memory(out_name, capacity)
             r = self._call([a, b], outputs, timeout_s)
             shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
             embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
-            return VisionResult(r.as_numpy("EXPANDED_IDS"), embeds, r.as_numpy("GRID_THWS"), r.as_numpy("IMAGE_TOKEN_COUNTS"))
+            return VisionResult(self._output(r, "EXPANDED_IDS"), embeds[0] if self.batched else embeds,
+                                self._output(r, "GRID_THWS"), self._output(r, "IMAGE_TOKEN_COUNTS"))
         finally:
             for name, handle in regions:
                 try:
@@ -168,8 +184,8 @@ class KimiVisionClient:
         try:
             self.client.register_cuda_shared_memory(out_name, cudashm.get_raw_handle(handle), device_id, capacity)
             a, b = self._inputs(ids, blobs)
-            a.set_data_from_numpy(ids)
-            b.set_data_from_numpy(blobs)
+            a.set_data_from_numpy(self._batch(ids))
+            b.set_data_from_numpy(self._batch(blobs))
             outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
             outputs[1].set_shared_memory(out_name, capacity)
             r = self._call([a, b], outputs, timeout_s)
@@ -180,8 +196,10 @@ class KimiVisionClient:
             # result outlives the region.
             region = torch.from_dlpack(cudashm.as_shared_memory_tensor(handle, "UINT8", [capacity]))
             embeds_gpu = region[:nbytes].view(dtype).view(*shape).clone()
-            return VisionResult(r.as_numpy("EXPANDED_IDS"), embeds_gpu.float().cpu().numpy(), r.as_numpy("GRID_THWS"),
-                                r.as_numpy("IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds_gpu)
+            if self.batched:
+                embeds_gpu = embeds_gpu[0]
+            return VisionResult(self._output(r, "EXPANDED_IDS"), embeds_gpu.float().cpu().numpy(),
+                                self._output(r, "GRID_THWS"), self._output(r, "IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds_gpu)
         finally:
             try:
                 self.client.unregister_cuda_shared_memory(out_name)

@@ -22,8 +22,17 @@ from backends.preprocess.pipeline import Limits
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
 ENSEMBLE = "kimi_k25_vision"
+# The same pipeline with a batch dimension: clients send [1, ...] tensors, and Triton's dynamic batcher
+# hands moonvit3d several requests at once, which run as one varlen forward.
+BATCHED_ENSEMBLE = "kimi_k25_vision_batched"
 PLACEHOLDER, PREPROCESS, ENCODER = "kimi_placeholder", "kimi_preprocess", "moonvit3d"
-MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE)
+# Batching twins for the batched ensemble (Triton requires every model of a batching ensemble to batch);
+# the contract's kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension.
+# moonvit3d serves both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
+PLACEHOLDER_BATCHED, PREPROCESS_BATCHED = "kimi_placeholder_batched", "kimi_preprocess_batched"
+MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE, PLACEHOLDER_BATCHED, PREPROCESS_BATCHED, BATCHED_ENSEMBLE)
+# A twin runs its base model's code: `write_source_configs` copies the base's version folder.
+SOURCE_OF = {PLACEHOLDER_BATCHED: PLACEHOLDER, PREPROCESS_BATCHED: PREPROCESS, BATCHED_ENSEMBLE: ENSEMBLE}
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,8 @@ class Deployment:
     limits: Limits = field(default_factory=Limits)
     encoder_instances: int = 1
     preprocess_instances: int = 1
+    max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
+    batch_delay_us: int = 2000  # how long moonvit3d's batcher waits for more requests
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -59,12 +70,18 @@ def _tensor(name, dtype, dims, optional=False):
     return t
 
 
+def _ragged(tensors):
+    # Requests of different sizes may share a batch; the Python models receive them as a list and
+    # never need them concatenated by Triton.
+    return [{**t, "allow_ragged_batch": True} for t in tensors]
+
+
 # Optional everywhere: absent means every IMAGES entry is a still image; else one entry per media,
 # 0 for an image and t (1..4) for a video chunk of t consecutive IMAGES entries.
 MEDIA_FRAMES = {"name": "MEDIA_FRAMES", "data_type": "TYPE_INT64", "dims": [-1], "optional": True}
 
 
-def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int) -> dict:
+def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
     params = {
         "checkpoint": dep.checkpoint,
         "max_images": str(dep.limits.max_images),
@@ -76,8 +93,8 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
     return {
         "name": name,
         "backend": "python",
-        "max_batch_size": 0,
-        "input": inputs,
+        "max_batch_size": max_batch,
+        "input": _ragged(inputs) if max_batch else inputs,
         "output": outputs,
         "instance_group": [{"kind": kind, "count": count}],
         "parameters": {k: {"string_value": v} for k, v in params.items()},
@@ -85,35 +102,55 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
 
 
 def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
-    """name -> ModelConfig for the four models of one deployment."""
+    """name -> ModelConfig for every model of one deployment."""
     p = dep.vision.encoder.patch_size
     hidden = dep.vision.encoder.text_hidden_size
     fp = dep.float_type
-    dicts = {
-        PLACEHOLDER: _python_model(
-            dep, PLACEHOLDER,
-            [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
-            [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1])],
-            kind="KIND_CPU", count=1,  # id arithmetic and header reads: no GPU work
-        ),
-        PREPROCESS: _python_model(
-            dep, PREPROCESS,
-            [_tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES,
-             # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
-             _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1], optional=True)],
-            [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
-            kind=dep.kind, count=dep.preprocess_instances,
-        ),
-        ENCODER: _python_model(
-            dep, ENCODER,
-            [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
-            [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
-            kind=dep.kind, count=dep.encoder_instances,
-        ),
-        ENSEMBLE: {
-            "name": ENSEMBLE,
+    placeholder_io = (
+        [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
+        [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1])],
+    )
+    preprocess_io = (
+        [_tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES,
+         # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
+         _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1], optional=True)],
+        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
+    )
+    dicts = {}
+    for name, batch in ((PLACEHOLDER, 0), (PLACEHOLDER_BATCHED, dep.max_batch)):
+        # id arithmetic and header reads: no GPU work
+        dicts[name] = _python_model(dep, name, *placeholder_io, kind="KIND_CPU", count=1, max_batch=batch)
+    for name, batch in ((PREPROCESS, 0), (PREPROCESS_BATCHED, dep.max_batch)):
+        dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.kind, count=dep.preprocess_instances,
+                                    max_batch=batch)
+    dicts[ENCODER] = _python_model(
+        dep, ENCODER,
+        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
+        [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
+        kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
+    )
+    dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us}
+
+    def steps(placeholder: str, preprocess: str) -> list[dict]:
+        return [
+            {"model_name": placeholder, "model_version": -1,
+             "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES"},
+             "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"}},
+            {"model_name": preprocess, "model_version": -1,
+             "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES",
+                           "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
+             "output_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"}},
+            {"model_name": ENCODER, "model_version": -1,
+             "input_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"},
+             "output_map": {"IMAGE_EMBEDS": "IMAGE_EMBEDS"}},
+        ]
+
+    for name, batch, parts in ((ENSEMBLE, 0, (PLACEHOLDER, PREPROCESS)),
+                               (BATCHED_ENSEMBLE, dep.max_batch, (PLACEHOLDER_BATCHED, PREPROCESS_BATCHED))):
+        dicts[name] = {
+            "name": name,
             "platform": "ensemble",
-            "max_batch_size": 0,
+            "max_batch_size": batch,
             "input": [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
             "output": [
                 _tensor("EXPANDED_IDS", "TYPE_INT64", [-1]),
@@ -121,20 +158,8 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
                 _tensor("GRID_THWS", "TYPE_INT64", [-1, 3]),
                 _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1]),
             ],
-            "ensemble_scheduling": {"step": [
-                {"model_name": PLACEHOLDER, "model_version": -1,
-                 "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES"},
-                 "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"}},
-                {"model_name": PREPROCESS, "model_version": -1,
-                 "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES",
-                               "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
-                 "output_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"}},
-                {"model_name": ENCODER, "model_version": -1,
-                 "input_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"},
-                 "output_map": {"IMAGE_EMBEDS": "IMAGE_EMBEDS"}},
-            ]},
-        },
-    }
+            "ensemble_scheduling": {"step": steps(*parts)},
+        }
     return {name: json_format.ParseDict(d, mc.ModelConfig()) for name, d in dicts.items()}
 
 
@@ -161,7 +186,13 @@ def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path
 def write_source_configs() -> None:
     """Refresh the committed CPU configs of the embedded default in model_repository/."""
     for name, config in model_configs(Deployment()).items():
+        (SOURCE_REPOSITORY / name).mkdir(exist_ok=True)
         (SOURCE_REPOSITORY / name / "config.pbtxt").write_text(render_config(config))
+    for twin, base in SOURCE_OF.items():
+        (SOURCE_REPOSITORY / twin / "1").mkdir(parents=True, exist_ok=True)
+        for src in (SOURCE_REPOSITORY / base / "1").iterdir():
+            if src.is_file():
+                shutil.copy2(src, SOURCE_REPOSITORY / twin / "1" / src.name)
 
 
 def main(argv=None) -> int:

@@ -34,9 +34,10 @@ def compatible(a: TensorSpec, b: TensorSpec) -> bool:
     return all(x == y or x == -1 or y == -1 for x, y in zip(a.dims, b.dims))
 
 
-def _full_dims(config: mc.ModelConfig, dims) -> tuple[int, ...]:
-    # With batching, Triton prepends the batch dimension to every tensor.
-    return ((-1,) if config.max_batch_size > 0 else ()) + tuple(dims)
+def _dims(dims) -> tuple[int, ...]:
+    # Triton matches ensemble tensors on the dims as declared, batch dimension excluded on both sides
+    # (an unbatched ensemble may feed a batching model: its requests then arrive unbatched).
+    return tuple(dims)
 
 
 def load_configs(repo: Path) -> tuple[dict[str, mc.ModelConfig], list[str]]:
@@ -66,7 +67,7 @@ def load_configs(repo: Path) -> tuple[dict[str, mc.ModelConfig], list[str]]:
 def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelConfig]) -> list[str]:
     problems = []
     where = f"ensemble {name}"
-    available: dict[str, TensorSpec] = {t.name: TensorSpec(t.data_type, _full_dims(ens, t.dims)) for t in ens.input}
+    available: dict[str, TensorSpec] = {t.name: TensorSpec(t.data_type, _dims(t.dims)) for t in ens.input}
     produced_by: dict[str, str] = {}
     consumed: set[str] = set()
     for i, step in enumerate(ens.ensemble_scheduling.step):
@@ -75,6 +76,9 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
         if model is None:
             problems.append(f"{label}: no model named {step.model_name!r} in the repository")
             continue
+        if ens.max_batch_size > model.max_batch_size:
+            problems.append(f"{label}: the ensemble batches up to {ens.max_batch_size} but {step.model_name} "
+                            f"only {model.max_batch_size}")
         inputs = {t.name: t for t in model.input}
         outputs = {t.name: t for t in model.output}
         for model_input, tensor in step.input_map.items():
@@ -87,7 +91,7 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
                 problems.append(f"{label}: input {model_input!r} reads {tensor!r}, which no ensemble input "
                                 f"or earlier step provides")
                 continue
-            want = TensorSpec(inputs[model_input].data_type, _full_dims(model, inputs[model_input].dims))
+            want = TensorSpec(inputs[model_input].data_type, _dims(inputs[model_input].dims))
             if not compatible(spec, want):
                 problems.append(f"{label}: {tensor!r} is {spec.describe()} but {step.model_name}.{model_input} "
                                 f"expects {want.describe()}")
@@ -102,7 +106,7 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
                 problems.append(f"{label}: {tensor!r} is produced twice (also by "
                                 f"{produced_by.get(tensor, 'the ensemble inputs')})")
             o = outputs[model_output]
-            available[tensor] = TensorSpec(o.data_type, _full_dims(model, o.dims))
+            available[tensor] = TensorSpec(o.data_type, _dims(o.dims))
             produced_by[tensor] = step.model_name
     ens_outputs = {t.name: t for t in ens.output}
     for t in ens.input:
@@ -113,7 +117,7 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
         if spec is None or out_name not in produced_by:
             problems.append(f"{where}: output {out_name!r} is not produced by any step")
             continue
-        want = TensorSpec(t.data_type, _full_dims(ens, t.dims))
+        want = TensorSpec(t.data_type, _dims(t.dims))
         if not compatible(spec, want):
             problems.append(f"{where}: output {out_name!r} is declared {want.describe()} but "
                             f"{produced_by[out_name]} produces {spec.describe()}")

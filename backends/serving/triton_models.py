@@ -45,9 +45,48 @@ def _to_torch(tensor) -> torch.Tensor:
     return from_dlpack(tensor.to_dlpack())
 
 
-def _optional_numpy(request, name: str):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
+class _Inputs:
+    """One request's inputs without the batch dimension.
+
+    The plain ensemble sends tensors as the contract declares them; the batched ensemble puts a batch
+    dimension of 1 in front (Triton batches requests, never rows of one request). `batched` says which,
+    so the outputs can be shaped to match.
+    """
+
+    def __init__(self, request, probe: str, rank: int):
+        self.request = request
+        shape = list(pb_utils.get_input_tensor_by_name(request, probe).shape())
+        if len(shape) == rank + 1 and shape[0] == 1:
+            self.batched = True
+        elif len(shape) == rank:
+            self.batched = False
+        else:
+            raise RequestError(f"{probe} has shape {shape}: expected {rank} dimension(s), or a batch dimension of 1 "
+                               f"in front of them (one prompt per request)")
+
+    def _get(self, name):
+        return pb_utils.get_input_tensor_by_name(self.request, name)
+
+    def numpy(self, name: str, optional: bool = False):
+        tensor = self._get(name)
+        if tensor is None:
+            if optional:
+                return None
+            raise RequestError(f"missing input {name}")
+        array = tensor.as_numpy()
+        return array[0] if self.batched else array
+
+    def bytes_list(self, name: str) -> list[bytes]:
+        return _bytes_list(self._get(name))
+
+    def torch(self, name: str) -> torch.Tensor:
+        t = _to_torch(self._get(name))
+        return t[0] if self.batched else t
+
+    def shape_outputs(self, outputs: dict) -> dict:
+        if not self.batched:
+            return outputs
+        return {k: (v[None] if isinstance(v, np.ndarray) else v.unsqueeze(0)) for k, v in outputs.items()}
 
 
 def _output(name: str, value) -> "pb_utils.Tensor":
@@ -101,20 +140,27 @@ class _Adapter:
 
     def initialize(self, args):
         self.settings, self.config = _settings(args)
+        self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
         self.failures = _FailureCounter(self.name)
+        first = self.config["input"][0]  # tells a batched request from a plain one by its rank
+        self.probe = (first["name"], len(first["dims"]))
         self.setup()
+
+    def inputs(self, request) -> _Inputs:
+        return _Inputs(request, *self.probe)
 
     def setup(self):
         raise NotImplementedError
 
-    def respond(self, request) -> dict:
+    def respond(self, inputs: _Inputs) -> dict:
         raise NotImplementedError
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                outputs = self.respond(request)
+                inputs = self.inputs(request)
+                outputs = inputs.shape_outputs(self.respond(inputs))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 self.failures.inc(exc)
@@ -128,10 +174,8 @@ class PlaceholderModel(_Adapter):
     def setup(self):
         self.step = PlaceholderStep(self.settings.vision_config(), self.settings.limits)
 
-    def respond(self, request):
-        ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy()
-        images = _bytes_list(pb_utils.get_input_tensor_by_name(request, "IMAGES"))
-        return self.step(ids, images, _optional_numpy(request, "MEDIA_FRAMES"))
+    def respond(self, inputs: _Inputs):
+        return self.step(inputs.numpy("INPUT_IDS"), inputs.bytes_list("IMAGES"), inputs.numpy("MEDIA_FRAMES", optional=True))
 
 
 def _out_dtype(config: dict, tensor: str) -> torch.dtype:
@@ -148,9 +192,9 @@ class PreprocessModel(_Adapter):
         self.step = PreprocessStep(self.settings.vision_config(), self.settings.limits, device=self.settings.device,
                                    out_dtype=_out_dtype(self.config, "PIXEL_VALUES"))
 
-    def respond(self, request):
-        images = _bytes_list(pb_utils.get_input_tensor_by_name(request, "IMAGES"))
-        return self.step(images, _optional_numpy(request, "IMAGE_TOKEN_COUNTS"), _optional_numpy(request, "MEDIA_FRAMES"))
+    def respond(self, inputs: _Inputs):
+        return self.step(inputs.bytes_list("IMAGES"), inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
+                         inputs.numpy("MEDIA_FRAMES", optional=True))
 
 
 class EncoderModel(_Adapter):
@@ -164,22 +208,22 @@ class EncoderModel(_Adapter):
         self.step = EncoderStep(model, cfg.encoder.patch_size, cfg.encoder.merge_tokens)
 
     def execute(self, requests):
-        parsed: list[EncoderRequest | Exception] = []
+        """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
+        parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:
             try:
-                pv = _to_torch(pb_utils.get_input_tensor_by_name(request, "PIXEL_VALUES"))
-                grid = pb_utils.get_input_tensor_by_name(request, "GRID_THWS").as_numpy()
-                parsed.append(EncoderRequest(pv, grid))
+                inputs = self.inputs(request)
+                parsed.append((inputs, EncoderRequest(inputs.torch("PIXEL_VALUES"), inputs.numpy("GRID_THWS"))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-        ok = [p for p in parsed if isinstance(p, EncoderRequest)]
-        results = iter(self.step.run_batch(ok))
+        results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
         responses = []
         for p in parsed:
-            result = next(results) if isinstance(p, EncoderRequest) else p
+            result = next(results) if isinstance(p, tuple) else p
             if isinstance(result, Exception):
                 self.failures.inc(result)
                 responses.append(_error(result, self.name))
             else:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", result)]))
+                outputs = p[0].shape_outputs({"IMAGE_EMBEDS": result})
+                responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])]))
         return responses

@@ -180,3 +180,86 @@ def test_bad_media_frames_is_a_clear_error(server):
     with pytest.raises(InferenceServerException, match="MEDIA_FRAMES"):
         client.infer(chat_prompt_ids(1), images()[:2], media_frames=[3])
     client.close()
+
+
+def encoder_counts(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    s = c.get_inference_statistics("moonvit3d", as_json=True)["model_stats"][0]
+    c.close()
+    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+
+
+def run_concurrently(fns):
+    results = [None] * len(fns)
+
+    def call(i):
+        try:
+            results[i] = fns[i]()
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+def test_batched_ensemble_runs_concurrent_requests_together(server, reference):
+    blobs, _, (counts, _, _, embeds) = reference
+    before = encoder_counts(server)
+
+    def one(k):
+        def call():
+            client = KimiVisionClient(server.grpc_url, batched=True)
+            try:
+                subset = blobs[: 1 + k % len(blobs)]
+                return len(subset), client.infer(chat_prompt_ids(len(subset)), subset)
+            finally:
+                client.close()
+        return call
+
+    results = run_concurrently([one(k) for k in range(8)])
+    for res in results:
+        assert not isinstance(res, Exception), res
+        n, r = res
+        assert r.token_counts.tolist() == counts[:n]
+        np.testing.assert_allclose(r.image_embeds, embeds[: sum(counts[:n])], rtol=1e-5, atol=1e-6)
+    inferences, executions = (a - b for a, b in zip(encoder_counts(server), before))
+    assert inferences == 8
+    assert executions < inferences, "the dynamic batcher never put two requests into one encoder forward"
+
+
+def test_a_bad_request_in_an_encoder_batch_fails_alone(server):
+    pv, grids, _ = Preprocessor(DEMO_CONFIG.media)([encode(photo_like(200, 150, seed=s), "PNG") for s in range(2)])
+    model = demo_model(DEMO_CONFIG.encoder)
+    before = encoder_counts(server)
+
+    def call(pixels, grid):
+        def run():
+            c = grpcclient.InferenceServerClient(server.grpc_url)
+            try:
+                a = grpcclient.InferInput("PIXEL_VALUES", [1, *pixels.shape], "FP32")
+                a.set_data_from_numpy(pixels[None])
+                b = grpcclient.InferInput("GRID_THWS", [1, *grid.shape], "INT64")
+                b.set_data_from_numpy(grid[None])
+                return c.infer("moonvit3d", [a, b]).as_numpy("IMAGE_EMBEDS")[0]
+            finally:
+                c.close()
+        return run
+
+    good = pv.numpy()
+    bad_pixels = good[:-4]  # 4 patches short of what GRID_THWS describes
+    fns = [call(good, grids) for _ in range(5)]
+    fns.insert(2, call(bad_pixels, grids))
+    results = run_concurrently(fns)
+    assert isinstance(results[2], InferenceServerException)
+    assert "GRID_THWS describes" in str(results[2]) and "PIXEL_VALUES has" in str(results[2])
+    expected = model(pv, grids).numpy()
+    for i, res in enumerate(results):
+        if i != 2:
+            assert not isinstance(res, Exception), res
+            np.testing.assert_allclose(res, expected, rtol=1e-5, atol=1e-6)
+    inferences, executions = (a - b for a, b in zip(encoder_counts(server), before))
+    assert executions < inferences, "no batch was formed, so isolation inside a batch was not exercised"

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from backends.deploy.repository import MODELS, SOURCE_REPOSITORY, Deployment, model_configs, render_config, render_repository
+from backends.deploy.repository import (MODELS, SOURCE_OF, SOURCE_REPOSITORY, Deployment, model_configs, render_config,
+                                        render_repository)
 from backends.deploy.validate import validate_repository
 
 
@@ -13,6 +14,9 @@ def test_committed_configs_are_the_rendered_cpu_default():
     for name, config in model_configs(Deployment()).items():
         committed = (SOURCE_REPOSITORY / name / "config.pbtxt").read_text()
         assert committed == render_config(config), f"{name}/config.pbtxt is stale: run `make configs`"
+    for twin, base in SOURCE_OF.items():
+        for src in (SOURCE_REPOSITORY / base / "1").iterdir():
+            assert (SOURCE_REPOSITORY / twin / "1" / src.name).read_bytes() == src.read_bytes(), (twin, src.name)
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
