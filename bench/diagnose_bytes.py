@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backends.deploy.repository import Deployment, render_repository
-from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port
+from backends.deploy.repository import Deployment
+from backends.deploy.server import deployment_server
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 
@@ -25,13 +25,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--write-args", type=Path, default=Path("/tmp/extra_args"))
     args = ap.parse_args(argv)
-    repo = render_repository(Deployment(device="gpu"), BUILD / "model_repository-diag")
     blob = encode(photo_like(3000, 2000, seed=1), "JPEG", quality=90)
     chosen = None
     for variant in VARIANTS:
-        server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              cuda_pool_bytes=default_pool_bytes("gpu"), extra_args=tuple(variant.split()),
-                              log_path=BUILD / f"tritonserver-diag{VARIANTS.index(variant)}.log")
+        server = deployment_server(Deployment(device="gpu"), f"diag{VARIANTS.index(variant)}",
+                                   extra_args=tuple(variant.split()))
         with server:
             results = {}
             c = grpcclient.InferenceServerClient(server.grpc_url)

@@ -12,8 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from backends.deploy.repository import Deployment, render_repository
-from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port
+from backends.deploy.repository import Deployment
+from backends.deploy.server import deployment_server
 from bench.gpu_timing import machine_line
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
@@ -28,9 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    repo = render_repository(Deployment(device="gpu", checkpoint=args.checkpoint), BUILD / "model_repository-e2e")
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          cuda_pool_bytes=default_pool_bytes("gpu"), log_path=BUILD / "tritonserver-e2e.log")
+    server = deployment_server(Deployment(device="gpu", checkpoint=args.checkpoint), "e2e")
     lines = [f"# Ensemble end to end (tritonserver, GPU deployment, random real-size weights)\n\n{machine_line()}\n",
              "| case | median ms | min ms | embeds |", "|---|---|---|---|"]
     results = {}

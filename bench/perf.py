@@ -18,8 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from backends.deploy.repository import Deployment, render_repository
-from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port, resolve_device
+from backends.deploy.repository import Deployment
+from backends.deploy.server import BUILD, deployment_server, resolve_device
 from clients.kimi_client import chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
 
@@ -69,14 +69,12 @@ def main(argv=None) -> int:
 
     device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
-    repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-perf-{device}")
     images = request_images(args.images)
     data = write_input_data(args.out / "input_data.json", images)
     binary = args.perf_dir / "bin" / "perf_analyzer"
     if not binary.exists():
         raise SystemExit(f"{binary} not found: run `make perf` (it installs perf_analyzer) or pass --perf-dir")
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          cuda_pool_bytes=default_pool_bytes(device))
+    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"perf-{device}")
     names = {"plain": "kimi_k25_vision", "batched": "kimi_k25_vision_batched"}
     runs = [(names[e], int(c)) for e in args.ensembles.split(",") for c in args.concurrency.split(",")]
     rows = []

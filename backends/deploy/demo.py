@@ -7,8 +7,8 @@ import argparse
 import os
 import time
 
-from backends.deploy.repository import Deployment, render_repository
-from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port, resolve_device
+from backends.deploy.repository import Deployment
+from backends.deploy.server import deployment_server, resolve_device
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import sample_images
 
@@ -19,12 +19,10 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
-    repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-{device}")
     what = f"checkpoint {args.checkpoint}" if args.checkpoint else "the embedded demo model (seeded random weights, untrained)"
     print(f"starting tritonserver ({device}) with {what} ...", flush=True)
     t0 = time.monotonic()
-    server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                          cuda_pool_bytes=default_pool_bytes(device))
+    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"run-{device}")
     with server:
         print(f"ready in {time.monotonic() - t0:.1f}s (log: {server.log_path})")
         images = sample_images()

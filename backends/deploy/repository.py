@@ -62,6 +62,19 @@ class Deployment:
     def kind(self) -> str:
         return "KIND_GPU" if self.device == "gpu" else "KIND_CPU"
 
+    def cuda_pool_bytes(self) -> int | None:
+        """Triton's CUDA pool holds the tensors between steps; too small a pool silently hands the
+        next step zeros (../shared/docs/triton_notes.md §3). Sized for the worst case the limits
+        allow (BF16 pixels and embeddings of `max_patches`) times the requests in flight: a full
+        encoder batch plus one request per preprocessing instance."""
+        if self.device != "gpu":
+            return None
+        enc = self.vision.encoder
+        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 2
+        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 2
+        grids = self.limits.max_images * 3 * 8
+        return (self.max_batch + self.preprocess_instances) * (pixels + embeds + grids)
+
 
 def _tensor(name, dtype, dims, optional=False):
     t = {"name": name, "data_type": dtype, "dims": dims}

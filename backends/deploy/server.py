@@ -180,10 +180,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def default_pool_bytes(device: str) -> int | None:
-    # Intermediates between ensemble steps live in this pool; too small a pool silently hands the
-    # next step zeros (triton_notes §3). 2 GiB holds ~50 worst-case BF16 images in flight.
-    return 2 << 30 if device == "gpu" else None
+def deployment_server(dep: Deployment, name: str, **kwargs) -> TritonServer:
+    """Render `dep` under build/model_repository-<name> and return a (not yet started) server on it,
+    on free loopback ports unless given, with the CUDA pool sized for the deployment."""
+    repo = render_repository(dep, BUILD / f"model_repository-{name}")
+    for port in ("http_port", "grpc_port", "metrics_port"):
+        kwargs.setdefault(port, free_port())
+    kwargs.setdefault("cuda_pool_bytes", dep.cuda_pool_bytes())
+    kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
+    return TritonServer(repo, **kwargs)
 
 
 def main(argv=None) -> int:
@@ -195,10 +200,9 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
-    repo = render_repository(Deployment(device=device, checkpoint=args.checkpoint), BUILD / f"model_repository-{device}")
-    server = TritonServer(repo, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                          cuda_pool_bytes=default_pool_bytes(device))
-    print(f"rendered {device} repository at {repo}; starting tritonserver (HTTP {args.http_port}, "
+    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), device,
+                               http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+    print(f"rendered {device} repository at {server.repository}; starting tritonserver (HTTP {args.http_port}, "
           f"gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     proc = subprocess.Popen(server.command(), env=server_env())
     try:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from backends.config import DEMO_CONFIG
-from backends.deploy.repository import Deployment, render_repository
-from backends.deploy.server import BUILD, TritonServer, default_pool_bytes, free_port
+from backends.deploy.repository import Deployment
+from backends.deploy.server import TritonServer, deployment_server
 from backends.preprocess import Preprocessor
 from backends.weights.demo import demo_model
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
@@ -22,10 +22,9 @@ def placement_problems(server: TritonServer) -> list[str]:
     return [line for line in server.log_tail(10**7).splitlines() if any(p in line for p in PLACEMENT_FAILURES)]
 
 
-def start(name: str, pool: int) -> TritonServer:
-    repo = render_repository(Deployment(device="gpu"), BUILD / f"model_repository-{name}")
-    return TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                        log_path=BUILD / f"tritonserver-{name}.log", cuda_pool_bytes=pool).start()
+def start(name: str, pool: int | None = None) -> TritonServer:
+    dep = Deployment(device="gpu")
+    return deployment_server(dep, name, cuda_pool_bytes=pool or dep.cuda_pool_bytes()).start()
 
 
 def images():
@@ -41,7 +40,7 @@ def in_process(blobs):
 
 @pytest.fixture(scope="module")
 def gpu_server():
-    server = start("gpu-test", default_pool_bytes("gpu"))
+    server = start("gpu-test")
     yield server
     server.stop()
 

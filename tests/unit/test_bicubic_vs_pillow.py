@@ -8,25 +8,20 @@ the rounding and the pass order all show up).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import PIL
 import pytest
 import torch
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # no conftest: make `backends` importable
-
-from backends.config import MediaConfig  # noqa: E402
-from backends.preprocess.bicubic import (  # noqa: E402
+from backends.config import MediaConfig
+from backends.preprocess.bicubic import (
     PRECISION_BITS,
     pass_order,
     pillow_coefficients,
     resize_bicubic,
 )
-from backends.preprocess.resize_rule import navit_resize  # noqa: E402
+from backends.preprocess.resize_rule import navit_resize
 
 
 # ---------------------------------------------------------------------------------------------
