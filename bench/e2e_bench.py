@@ -7,14 +7,13 @@ per case, client-measured over gRPC, median of N, for 1x1024^2, 1x3000^2 and 8x4
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 from backends.deploy.repository import Deployment
 from backends.deploy.server import deployment_server
-from bench.gpu_timing import machine_line
+from bench.gpu_timing import machine_line, write_report
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 
@@ -46,10 +45,7 @@ def main(argv=None) -> int:
             results[case] = {"median_ms": statistics.median(times), "min_ms": min(times)}
             lines.append(f"| {case} | {statistics.median(times):.1f} | {min(times):.1f} | {tuple(r.image_embeds.shape)} |")
         client.close()
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (args.out / "e2e_bench.md").write_text(text)
-    (args.out / "e2e_bench.json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "e2e_bench", lines, results)
     return 0
 
 

@@ -12,7 +12,6 @@ device copy bandwidth).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from backends.encoder.attention import available_backends
 from backends.encoder.metadata import rope_angles_table
 from backends.encoder.moonvit3d import apply_rope_portable
 from backends.kernels import rope as fused_rope
-from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, machine_line, matmul_peak_tflops
+from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, machine_line, matmul_peak_tflops, write_report
 from tests.hf_oracle import hf_config, hf_model, rel_err
 
 REAL = EncoderConfig()  # K2.5: 27 layers, 1152 wide, 16 heads x 72, MLP 4304, text 7168
@@ -111,10 +110,7 @@ def main(argv=None) -> int:
                  f"portable {portable_ms:.3f} ms, HBM floor {floor_ms:.3f} ms -> fused at {fused_ms / floor_ms:.2f}x the floor")
     results["rope"] = {"fused_ms": fused_ms, "portable_ms": portable_ms, "floor_ms": floor_ms}
     results["machine"] = {"matmul_tflops": peak, "copy_gbs": bw, "line": machine_line()}
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (args.out / "encoder_bench.md").write_text(text)
-    (args.out / "encoder_bench.json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "encoder_bench", lines, results)
     return 0
 
 

@@ -3,9 +3,11 @@ device-to-device copy bandwidth, both measured in the same run as the numbers th
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,3 +63,11 @@ def machine_line() -> str:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"{platform.node()} | {name} | torch {torch.__version__} | "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def write_report(out: Path, name: str, lines: list[str], results: dict) -> None:
+    """Print the markdown table and keep it (name.md) with the raw numbers (name.json) under out/."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from backends.kernels.patchify import normalize_patchify
 from backends.preprocess import Preprocessor
 from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess.resize_rule import navit_resize
-from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, machine_line, wall_time_ms
+from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, machine_line, wall_time_ms, write_report
 from clients.samples import encode, photo_like
 
 
@@ -130,10 +129,7 @@ def main(argv=None) -> int:
         lines += [f"\n## nvJPEG vs Pillow decode ({1023}x{767} photo-like, quality 90)\n"] + nvjpeg_vs_pillow()
     except Exception as exc:  # noqa: BLE001 - torchvision missing or no nvJPEG
         lines.append(f"\nnvJPEG comparison not run: {type(exc).__name__}: {exc}")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    (args.out / "preprocess_bench.md").write_text(text)
-    (args.out / "preprocess_bench.json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "preprocess_bench", lines, results)
     return 0
 
 
