@@ -76,28 +76,29 @@ class KimiVisionClient:
             import tritonclient.http as tc
         self.tc = tc
         self.client = tc.InferenceServerClient(url)
-        self._frames = None
 
     def close(self):
         self.client.close()
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
-              shm: str = "none", output_capacity: int = 64 << 20, timeout_s: float | None = None) -> VisionResult:
+              shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None) -> VisionResult:
         """One request through the ensemble.
 
         media_frames: None when every image is a still image; else one entry per media in prompt
         order, 0 for an image and t (1..4) for a video chunk whose t frames are the next t images.
-        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes.
+        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes (256 MiB: ~9k FP32 rows of the
+        real model's 7168; raise it for larger requests). timeout_s applies to gRPC; an HTTP client's
+        timeouts are set on tritonclient.http.InferenceServerClient.
         """
         ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1))
         blobs = _bytes_tensor(images)
-        self._frames = None if media_frames is None else np.asarray(media_frames, dtype=np.int64).reshape(-1)
+        frames = None if media_frames is None else np.asarray(media_frames, dtype=np.int64).reshape(-1)
         if shm == "none":
-            return self._infer_plain(ids, blobs, timeout_s)
+            return self._infer_plain(ids, blobs, frames, timeout_s)
         if shm == "system":
-            return self._infer_system_shm(ids, blobs, output_capacity, timeout_s)
+            return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s)
         if shm == "cuda":
-            return self._infer_cuda_shm(ids, blobs, output_capacity, timeout_s)
+            return self._infer_cuda_shm(ids, blobs, frames, output_capacity, timeout_s)
         raise ValueError(f"shm must be 'none', 'system' or 'cuda', got {shm!r}")
 
     def _shape(self, array: np.ndarray) -> list[int]:
@@ -115,23 +116,23 @@ class KimiVisionClient:
         b = self.tc.InferInput("IMAGES", self._shape(blobs), "BYTES")
         return a, b
 
-    def _call(self, inputs, outputs, timeout_s):
-        if self._frames is not None:
-            f = self.tc.InferInput("MEDIA_FRAMES", self._shape(self._frames), "INT64")
-            f.set_data_from_numpy(self._batch(self._frames))
+    def _call(self, inputs, frames, outputs, timeout_s):
+        if frames is not None:
+            f = self.tc.InferInput("MEDIA_FRAMES", self._shape(frames), "INT64")
+            f.set_data_from_numpy(self._batch(frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
         return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
 
-    def _infer_plain(self, ids, blobs, timeout_s):
+    def _infer_plain(self, ids, blobs, frames, timeout_s):
         a, b = self._inputs(ids, blobs)
         a.set_data_from_numpy(self._batch(ids))
         b.set_data_from_numpy(self._batch(blobs))
         outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
-        r = self._call([a, b], outputs, timeout_s)
+        r = self._call([a, b], frames, outputs, timeout_s)
         return VisionResult(*(self._output(r, n) for n in OUTPUTS))
 
-    def _infer_system_shm(self, ids, blobs, capacity, timeout_s):
+    def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s):
         import tritonclient.utils.shared_memory as shm
         from tritonclient.utils import serialize_byte_tensor
 
@@ -159,20 +160,23 @@ class KimiVisionClient:
                 b.set_data_from_numpy(self._batch(blobs))
             outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
             outputs[1].set_shared_memory(out_name, capacity)
-            r = self._call([a, b], outputs, timeout_s)
+            r = self._call([a, b], frames, outputs, timeout_s)
             shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
             embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
             return VisionResult(self._output(r, "EXPANDED_IDS"), embeds[0] if self.batched else embeds,
                                 self._output(r, "GRID_THWS"), self._output(r, "IMAGE_TOKEN_COUNTS"))
         finally:
-            for name, handle in regions:
+            for name, handle in regions:  # each step on its own: one failure must not leak the rest
                 try:
                     self.client.unregister_system_shared_memory(name)
                 except Exception:  # noqa: BLE001 - best effort cleanup
                     pass
-                shm.destroy_shared_memory_region(handle)
+                try:
+                    shm.destroy_shared_memory_region(handle)
+                except Exception:  # noqa: BLE001
+                    pass
 
-    def _infer_cuda_shm(self, ids, blobs, capacity, timeout_s, device_id: int = 0):
+    def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, device_id: int = 0):
         import torch
         import tritonclient.utils.cuda_shared_memory as cudashm
 
@@ -188,7 +192,7 @@ class KimiVisionClient:
             b.set_data_from_numpy(self._batch(blobs))
             outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
             outputs[1].set_shared_memory(out_name, capacity)
-            r = self._call([a, b], outputs, timeout_s)
+            r = self._call([a, b], frames, outputs, timeout_s)
             shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
             dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}[datatype]
             nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()

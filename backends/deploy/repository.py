@@ -44,6 +44,7 @@ class Deployment:
     preprocess_instances: int = 1
     max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
     batch_delay_us: int = 2000  # how long moonvit3d's batcher waits for more requests
+    max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -65,15 +66,17 @@ class Deployment:
     def cuda_pool_bytes(self) -> int | None:
         """Triton's CUDA pool holds the tensors between steps; too small a pool silently hands the
         next step zeros (../shared/docs/triton_notes.md §3). Sized for the worst case the limits
-        allow (BF16 pixels and embeddings of `max_patches`) times the requests in flight: a full
-        encoder batch plus one request per preprocessing instance."""
+        allow (BF16 pixels and embeddings of `max_patches`) times the requests that can hold such
+        tensors at once: a full batch per encoder instance, moonvit3d's bounded queue, and one
+        request per preprocessing instance."""
         if self.device != "gpu":
             return None
         enc = self.vision.encoder
         pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 2
         embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 2
         grids = self.limits.max_images * 3 * 8
-        return (self.max_batch + self.preprocess_instances) * (pixels + embeds + grids)
+        in_flight = self.encoder_instances * self.max_batch + self.max_queue + self.preprocess_instances
+        return in_flight * (pixels + embeds + grids)
 
 
 def _tensor(name, dtype, dims, optional=False):
@@ -142,7 +145,10 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
-    dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us}
+    # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
+    # an overloaded server refuses requests with an error instead of computing on zeros.
+    dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,
+                                          "default_queue_policy": {"max_queue_size": dep.max_queue}}
 
     def steps(placeholder: str, preprocess: str) -> list[dict]:
         return [

@@ -28,13 +28,17 @@ from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 BUILD = REPO_ROOT / "build"
 
 
-def gpu_available() -> bool:
+def gpu_count() -> int:
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count()
     except Exception:  # noqa: BLE001
-        return False
+        return 0
+
+
+def gpu_available() -> bool:
+    return gpu_count() > 0
 
 
 def _pytriton_dir() -> Path:
@@ -123,15 +127,19 @@ class TritonServer:
             "--model-control-mode=none",
         ]
         if self.cuda_pool_bytes:
-            cmd.append(f"--cuda-memory-pool-byte-size=0:{self.cuda_pool_bytes}")
+            # GPU instances go on every visible GPU, so every GPU gets the pool.
+            cmd += [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}" for gpu in range(max(1, gpu_count()))]
         # Operator flags for every server we start (e.g. pool sizes), space-separated.
         return cmd + os.environ.get("KIMI_TRITONSERVER_ARGS", "").split() + list(self.extra_args)
 
     def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = None if stream_log else open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        if stream_log:
+            self.proc = subprocess.Popen(self.command(), env=server_env(), start_new_session=True)
+        else:
+            with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
+                self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -157,15 +165,24 @@ class TritonServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        # SIGINT lets tritonserver unload models and stop the Python stubs it started.
-        os.killpg(self.proc.pid, signal.SIGINT)
+        # SIGINT lets tritonserver unload models and stop the Python stubs it started; the whole
+        # process group is signalled so that stubs of a server that died on its own go too.
+        self._signal_group(signal.SIGINT)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._signal_group(signal.SIGKILL)
             self.proc.wait()
+        time.sleep(0.2)
+        self._signal_group(signal.SIGKILL)  # anything left in the group (orphaned stubs)
+
+    def _signal_group(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def __enter__(self):
         return self.start() if self.proc is None else self

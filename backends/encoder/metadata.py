@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from backends.config import EncoderConfig
+from backends.encoder.cache import TensorCache
 
 
 def as_grid_list(grid_thws) -> list[tuple[int, int, int]]:
@@ -62,19 +63,14 @@ class ForwardMetadata:
         return sum(self.seq_lens)
 
 
-_ROPE_CACHE: dict[tuple, torch.Tensor] = {}
+_ROPE_CACHE = TensorCache(max_bytes=256 << 20)
 
 
 def _rope_for_grid(cfg: EncoderConfig, h: int, w: int, device: torch.device) -> torch.Tensor:
     """The (h*w, D/2) table for one grid, built once per (grid, device) and kept there: a forward
     only concatenates device tensors, no host-to-device copy of the table."""
     key = (cfg.head_dim, cfg.rope_theta, h, w, str(device))
-    table = _ROPE_CACHE.get(key)
-    if table is None:
-        if len(_ROPE_CACHE) > 256:
-            _ROPE_CACHE.clear()
-        table = _ROPE_CACHE[key] = rope_angles_table(cfg, h, w).to(device)
-    return table
+    return _ROPE_CACHE.get(key, lambda: rope_angles_table(cfg, h, w).to(device))
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -84,14 +80,22 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
-    grids = as_grid_list(grid_thws)
+def check_grids(cfg: EncoderConfig, grids: Sequence[tuple[int, int, int]]) -> None:
+    """The encoder's rules for (t, h, w), on the host: ValueError naming the first violation."""
     kh, kw = cfg.merge_kernel_size
     for t, h, w in grids:
         if t < 1 or t > cfg.init_pos_emb_time:
             raise ValueError(f"media with t={t} frames; the encoder takes 1..{cfg.init_pos_emb_time} frames per chunk")
         if h % kh or w % kw:
             raise ValueError(f"grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
+        if not (1 <= h <= cfg.rope_max_height and 1 <= w <= cfg.rope_max_width):
+            raise ValueError(f"patch grid {h}x{w} exceeds the RoPE table {cfg.rope_max_height}x{cfg.rope_max_width}")
+
+
+def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
+    grids = as_grid_list(grid_thws)
+    check_grids(cfg, grids)
+    kh, kw = cfg.merge_kernel_size
     seq_lens = [t * h * w for t, h, w in grids]
     cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
     device = torch.device(device)

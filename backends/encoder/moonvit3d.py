@@ -20,6 +20,7 @@ from torch import nn
 
 from backends.config import EncoderConfig
 from backends.encoder.attention import pick_backend, varlen_attention
+from backends.encoder.cache import TensorCache
 from backends.encoder.metadata import ForwardMetadata, build_metadata
 from backends.kernels import rope as fused_rope
 
@@ -67,7 +68,7 @@ class PosEmbDivided(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.hidden_size))
         self.register_buffer("time_weight", sincos_time_table(cfg.hidden_size, cfg.init_pos_emb_time), persistent=False)
-        self._resized: dict[tuple, torch.Tensor] = {}
+        self._resized = TensorCache(max_bytes=512 << 20)
 
     def grid(self, h: int, w: int) -> torch.Tensor:
         """(h*w, D) in the weight's dtype. No antialias, align_corners=False, as the reference.
@@ -77,15 +78,11 @@ class PosEmbDivided(nn.Module):
         weight's storage and version, so a weight update is never served a stale table."""
         if (h, w) == tuple(self.weight.shape[:2]):
             return self.weight.flatten(0, 1)
-        key = (h, w, self.weight.data_ptr(), self.weight._version, self.weight.dtype)
-        table = self._resized.get(key)
-        if table is None:
+        def resize():
             resized = F.interpolate(self.weight.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
-            table = resized[0].permute(1, 2, 0).flatten(0, 1).contiguous()
-            if len(self._resized) >= 256:
-                self._resized.clear()
-            self._resized[key] = table
-        return table
+            return resized[0].permute(1, 2, 0).flatten(0, 1).contiguous()
+
+        return self._resized.get((h, w, self.weight.data_ptr(), self.weight._version, self.weight.dtype), resize)
 
     def forward(self, x: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         parts, resized = [], {}

@@ -31,14 +31,14 @@ def count_placeholders(input_ids, media_pad_id: int) -> int:
     return int(np.count_nonzero(_as_ids(input_ids) == media_pad_id))
 
 
-def check_one_placeholder_per_image(input_ids, media_pad_id: int, num_images: int) -> np.ndarray:
+def check_one_placeholder_per_image(input_ids, media_pad_id: int, num_images: int, what: str = "image(s)") -> np.ndarray:
     """Validate the strict 1:1 rule and return the ids as int64. Runs before any image is decoded."""
     ids = _as_ids(input_ids)
     found = int(np.count_nonzero(ids == media_pad_id))
     if found != num_images:
         raise RequestError(
             f"the prompt has {found} <|media_pad|> placeholder token(s) (id {media_pad_id}) but {num_images} "
-            f"image(s) were sent; each image (or video chunk) needs exactly one placeholder in INPUT_IDS"
+            f"{what} were sent; each image (or video chunk) needs exactly one placeholder in INPUT_IDS"
         )
     return ids
 

@@ -14,21 +14,22 @@ from PIL import Image
 
 from backends.errors import RequestError
 
-# Pillow's own bomb guard stays on; it only moves up when an operator configures a larger limit.
 _PILLOW_DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
 
 
 def _open(data: bytes, index: int, max_pixels: int) -> Image.Image:
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise RequestError(f"image {index}: empty or missing image bytes")
-    if max_pixels > (Image.MAX_IMAGE_PIXELS or 0):
-        Image.MAX_IMAGE_PIXELS = max_pixels
+    # Pillow's own bomb guard stays on, set to our limit, so that it refuses a bomb from the header
+    # (before any pixel is decoded) and the error names our limit. (Each Triton instance is its own
+    # process and runs one request at a time, so the module-level setting is not raced.)
+    Image.MAX_IMAGE_PIXELS = max_pixels
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(bytes(data)))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise RequestError(f"image {index}: larger than the pixel limit ({exc})") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise RequestError(f"image {index}: more pixels than the limit max_image_pixels={max_pixels}") from None
     except Exception as exc:  # Pillow raises many types for garbage input
         raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})") from None
     w, h = img.size

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from backends.config import DEMO_CONFIG, VisionConfig
+from backends.encoder.metadata import as_grid_list, check_grids
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.pipeline import Limits, Preprocessor, plan_media, split_media
@@ -60,7 +61,8 @@ class PlaceholderStep:
     def __call__(self, input_ids: np.ndarray, images: Sequence[bytes], media_frames=None) -> dict[str, np.ndarray]:
         pad = self.cfg.tokens.media_pad
         num_media = len(split_media(len(images), media_frames, self.cfg.media))
-        ids = check_one_placeholder_per_image(input_ids, pad, num_media)
+        what = "image(s)" if media_frames is None else "media (images or video chunks)"
+        ids = check_one_placeholder_per_image(input_ids, pad, num_media, what=what)
         plans = plan_media(images, self.cfg.media, self.limits, media_frames)
         counts = [m.plan.num_tokens for m in plans]
         return {
@@ -117,7 +119,7 @@ class EncoderStep:
         if patches != pv.shape[0]:
             raise RequestError(f"GRID_THWS describes {patches} patches but PIXEL_VALUES has {pv.shape[0]}")
         try:
-            self.model.metadata(grid)  # grid-level rules: merge divisibility, frame count, RoPE range
+            check_grids(self.model.cfg, as_grid_list(grid))  # merge divisibility, frames, RoPE range
         except ValueError as exc:
             raise RequestError(f"GRID_THWS: {exc}") from None
 
@@ -128,7 +130,7 @@ class EncoderStep:
             try:
                 self.check(req)
                 good.append(i)
-            except RequestError as exc:
+            except Exception as exc:  # noqa: BLE001 - this request alone
                 results[i] = exc
         if not good:
             return results
@@ -149,7 +151,8 @@ class EncoderStep:
     def _forward(self, reqs: Sequence[EncoderRequest]) -> list[torch.Tensor]:
         grids = np.concatenate([np.asarray(r.grid_thws, dtype=np.int64).reshape(-1, 3) for r in reqs])
         device = self.model.device
-        pixels = torch.cat([r.pixel_values.to(device, non_blocking=True) for r in reqs])
+        # Cast each request before joining: an empty (text-only) request must not promote the batch.
+        pixels = torch.cat([r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs])
         out = self.model(pixels, grids)
         # Split on host-known token counts: no device read.
         sizes = [self._tokens(r.grid_thws) for r in reqs]

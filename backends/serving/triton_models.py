@@ -73,7 +73,8 @@ class _Inputs:
             if optional:
                 return None
             raise RequestError(f"missing input {name}")
-        array = tensor.as_numpy()
+        # A GPU instance may receive small tensors in device memory (client CUDA shm, the previous step).
+        array = tensor.as_numpy() if tensor.is_cpu() else from_dlpack(tensor.to_dlpack()).cpu().numpy()
         return array[0] if self.batched else array
 
     def bytes_list(self, name: str) -> list[bytes]:
@@ -140,6 +141,9 @@ class _Adapter:
 
     def initialize(self, args):
         self.settings, self.config = _settings(args)
+        if self.settings.device.startswith("cuda"):
+            # Triton kernels launch on the current device: make it this instance's GPU.
+            torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
         self.failures = _FailureCounter(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
@@ -163,9 +167,15 @@ class _Adapter:
                 outputs = inputs.shape_outputs(self.respond(inputs))
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
             except Exception as exc:  # noqa: BLE001 - one response per request, always
-                self.failures.inc(exc)
-                responses.append(_error(exc, self.name))
+                responses.append(self.error_response(exc))
         return responses
+
+    def error_response(self, exc: Exception):
+        try:
+            self.failures.inc(exc)
+        except Exception:  # noqa: BLE001 - a metrics hiccup must not cost the response
+            log.exception("%s: could not count a failure", self.name)
+        return _error(exc, self.name)
 
 
 class PlaceholderModel(_Adapter):
@@ -220,10 +230,11 @@ class EncoderModel(_Adapter):
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
-            if isinstance(result, Exception):
-                self.failures.inc(result)
-                responses.append(_error(result, self.name))
-            else:
+            try:
+                if isinstance(result, Exception):
+                    raise result
                 outputs = p[0].shape_outputs({"IMAGE_EMBEDS": result})
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])]))
+            except Exception as exc:  # noqa: BLE001 - this request alone
+                responses.append(self.error_response(exc))
         return responses
