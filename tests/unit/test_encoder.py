@@ -98,3 +98,24 @@ def test_a_bad_request_fails_alone():
 def test_empty_request_gives_zero_rows():
     out = demo_model(CFG)(torch.empty(0, 3, 14, 14), np.zeros((0, 3), np.int64))
     assert tuple(out.shape) == (0, CFG.text_hidden_size)
+
+
+def test_table_cache_is_bounded_by_bytes_and_keeps_recent_tables():
+    from backends.encoder.cache import TensorCache
+
+    cache = TensorCache(max_bytes=3 * 400)  # room for three 100-float tables
+    made = []
+
+    def table(k):
+        made.append(k)
+        return torch.full((100,), float(k))
+
+    for k in (1, 2, 3):
+        cache.get(k, lambda k=k: table(k))
+    cache.get(1, lambda: table(1))  # hit: 1 becomes the most recent
+    cache.get(4, lambda: table(4))  # evicts 2, the least recent
+    assert made == [1, 2, 3, 4] and len(cache) == 3 and cache.bytes == 1200
+    cache.get(2, lambda: table(2))
+    assert made[-1] == 2  # rebuilt after eviction
+    big = cache.get(9, lambda: torch.zeros(1000))  # larger than the bound: returned, not kept
+    assert big.numel() == 1000 and cache.bytes <= 1200
