@@ -3,6 +3,9 @@
 #   bash bench/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
 #   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks
 #   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
+#   stages also: profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
+#   diagnose (which tritonserver flags deliver BYTES inputs intact; exports them for later stages),
+#   fa4a / fa4b (flash-attn-4 in two carries)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by bench/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
 set -uo pipefail
