@@ -263,3 +263,21 @@ def test_a_bad_request_in_an_encoder_batch_fails_alone(server):
             np.testing.assert_allclose(res, expected, rtol=1e-5, atol=1e-6)
     inferences, executions = (a - b for a, b in zip(encoder_counts(server), before))
     assert executions < inferences, "no batch was formed, so isolation inside a batch was not exercised"
+
+
+@pytest.mark.parametrize("protocol,shm", [("grpc", "none"), ("http", "system")])
+def test_cli_prints_the_answer(server, tmp_path, capsys, protocol, shm):
+    from clients import infer
+
+    paths = []
+    for i, blob in enumerate(images()[:2]):
+        paths += ["--image", str(tmp_path / f"img{i}")]
+        (tmp_path / f"img{i}").write_bytes(blob)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    assert infer.main([*paths, "--protocol", protocol, "--url", url, "--shm", shm]) == 0
+    out = capsys.readouterr().out
+    assert "media 0 (image): grid_thw (1, 36, 46) -> 414 tokens" in out
+    assert "media 1 (image): grid_thw (1, 16, 22) -> 88 tokens" in out
+    assert "image embeds: shape (502, 256) float32" in out and "sha256" in out
+    assert infer.main(["--ids", "1,2", *paths, "--url", server.grpc_url]) == 1  # 1:1 error, no traceback
+    assert "request failed:" in capsys.readouterr().err
