@@ -56,7 +56,6 @@ class ForwardMetadata:
     max_seqlen: int  # host int: attention kernels need it without reading the device
     cu_seqlens: torch.Tensor  # (M+1,) int32 on device
     rope: torch.Tensor  # (sum t*h*w, head_dim/2) complex64 on device
-    token_counts: list[int]  # merged tokens per media (host)
 
     @property
     def num_patches(self) -> int:
@@ -95,7 +94,6 @@ def check_grids(cfg: EncoderConfig, grids: Sequence[tuple[int, int, int]]) -> No
 def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
     grids = as_grid_list(grid_thws)
     check_grids(cfg, grids)
-    kh, kw = cfg.merge_kernel_size
     seq_lens = [t * h * w for t, h, w in grids]
     cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
     device = torch.device(device)
@@ -110,5 +108,4 @@ def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device
         max_seqlen=max(seq_lens, default=0),
         cu_seqlens=_to_device(cu, device),
         rope=rope,
-        token_counts=[(h // kh) * (w // kw) for _, h, w in grids],
     )

@@ -47,12 +47,6 @@ def prepare_rope(freqs: torch.Tensor) -> PreparedRope:
     return PreparedRope(torch.view_as_real(freqs.to(torch.complex64)).contiguous())
 
 
-def can_use_fused_rope(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return (triton is not None and q.is_cuda and k.is_cuda and q.dtype == k.dtype
-            and q.dtype in (torch.bfloat16, torch.float16) and q.shape == k.shape and q.dim() == 3
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and q.shape[-1] % 2 == 0)
-
-
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n_rows"])  # random image sizes must not recompile

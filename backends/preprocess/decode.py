@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import warnings
 
-import numpy as np
 from PIL import Image
 
 from backends.errors import RequestError
@@ -52,7 +51,3 @@ def decode_rgb(data: bytes, index: int = 0, *, max_pixels: int = _PILLOW_DEFAULT
     except Exception as exc:
         raise RequestError(f"image {index}: decoding failed ({type(exc).__name__}: {exc})") from None
 
-
-def to_uint8_hwc(img: Image.Image) -> np.ndarray:
-    """(H, W, 3) uint8 view of an RGB image."""
-    return np.asarray(img, dtype=np.uint8)

@@ -85,11 +85,6 @@ def plan_media(blobs: Sequence[bytes], media: MediaConfig, limits: Limits, media
     return plans
 
 
-def plan_images(blobs: Sequence[bytes], media: MediaConfig, limits: Limits) -> list[ResizePlan]:
-    """Still images only: one ResizePlan per IMAGES entry."""
-    return [m.plan for m in plan_media(blobs, media, limits)]
-
-
 def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
     """The checkpoint's own resize call: Pillow BICUBIC on the uint8 RGB image."""
     if img.size == (width, height):
