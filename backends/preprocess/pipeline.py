@@ -72,6 +72,8 @@ def plan_media(blobs: Sequence[bytes], media: MediaConfig, limits: Limits, media
         raise RequestError(f"{len(blobs)} images in one request exceeds the limit max_images={limits.max_images}")
     plans = []
     for indices, is_video in split_media(len(blobs), media_frames, media):
+        # Every frame's header is read (garbage and bombs are refused before decoding); a chunk is
+        # planned from its first frame, as the reference does.
         sizes = [image_size(blobs[i], i, max_pixels=limits.max_image_pixels) for i in indices]
         w, h = sizes[0]
         if is_video:
