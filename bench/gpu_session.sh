@@ -4,7 +4,7 @@
 #   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks
 #   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
 #   stages also: profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
-#   diagnose (which tritonserver flags deliver BYTES inputs intact; exports them for later stages),
+#   stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by bench/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -21,7 +21,7 @@ if [[ ! -d /tmp/np1/numpy && -d .whl/gpu ]]; then
   # Python (transformers) keeps its numpy 2.
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/np1 .whl/gpu/numpy-*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD KIMI_STUB_PYTHONPATH=/tmp/np1
+export PYTHONPATH=/tmp/site:$PWD KIMI_STUB_SITE=/tmp/np1
 # flash-attn-4 (optional, ../shared/tools/offline_wheels.sh --fa4): its 92 MB library comes in two
 # calls, stages fa4a then fa4b, while the machine stays warm.
 if [[ -d /tmp/fa4/flash_attn ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
@@ -40,9 +40,8 @@ for stage in "$@"; do
     servertests)
       python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py > "$out/gpu_server_tests.log" 2>&1
       grep -E "GPU_ENSEMBLE|SMALL_POOL|passed|failed|^E  " "$out/gpu_server_tests.log" | head -20 ;;
-    diagnose)
-      python3 -m bench.diagnose_bytes --write-args /tmp/extra_args 2>&1 | grep DIAG
-      export KIMI_TRITONSERVER_ARGS="$(cat /tmp/extra_args)" ;;
+    stubprobe) python3 -m bench.stub_probe --label stub-np1 2>&1 | grep STUB_PROBE | cut -c1-220
+      KIMI_STUB_SITE= python3 -m bench.stub_probe --allow-numpy2 --label host-numpy 2>&1 | grep STUB_PROBE | cut -c1-220 ;;
     fa4a) mkdir -p /tmp/fa4parts && cp .whl/fa4a/cu13part.aa /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
     fa4b)
       cat /tmp/fa4parts/cu13part.aa .whl/fa4b/cu13part.ab > /tmp/fa4parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl

@@ -2,8 +2,9 @@
 
 What it takes (../shared/docs/triton_notes.md §1): a backend folder holding the Python backend and the
 stub built for the running Python (symlinked, so the stub finds its CUDA runtime); our interpreter's
-libpython first on LD_LIBRARY_PATH (a second system libpython breaks `_ssl`); the virtualenv's
-site-packages and the repo root on PYTHONPATH so the stub imports torch, numpy and `backends`.
+libpython first on LD_LIBRARY_PATH (a second system libpython breaks `_ssl`); and a small virtualenv
+first on PATH whose .pth file lists the repo root and our site-packages, so the stub imports torch,
+numpy and `backends` (the stub ignores PYTHONPATH; `prepare_stub_env`).
 
 `python -m backends.deploy.server` serves in the foreground until Ctrl-C; tests and `make run` use
 `TritonServer` as a context manager.
@@ -21,11 +22,13 @@ import sys
 import sysconfig
 import time
 import urllib.request
+import venv
 from pathlib import Path
 
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 
 BUILD = REPO_ROOT / "build"
+STUB_ENV = BUILD / "stub-env"  # the stub's virtualenv (prepare_stub_env)
 
 
 def gpu_count() -> int:
@@ -75,16 +78,63 @@ def prepare_backend_dir(dest: Path) -> Path:
     return dest
 
 
+def stub_paths() -> list[str]:
+    """What the stub's Python must see, in order: KIMI_STUB_SITE (e.g. a folder with numpy < 2 on a host
+    whose own numpy is 2.x), this repository (for `backends`), our PYTHONPATH (e.g. an optional
+    flash-attn install), then our interpreter's site-packages."""
+    paths = [os.environ.get("KIMI_STUB_SITE", ""), str(REPO_ROOT)]
+    paths += [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
+    return list(dict.fromkeys(p for p in paths if p))
+
+
+def prepare_stub_env(dest: Path) -> Path:
+    """A bare virtualenv whose site-packages holds one .pth file listing `stub_paths()`; returns its bin/.
+
+    Why: the stub runs its embedded Python with -E (PYTHONPATH is ignored, seen on 2.51) and takes
+    sys.prefix, hence site-packages, from the `python3` first on PATH. Putting this env's bin/ first is
+    the one way to choose the stub's packages without touching our own environment - which matters
+    because the 2.51 stub corrupts tensors under numpy >= 2 (see bench/stub_probe.py).
+    """
+    cfg = dest / "pyvenv.cfg"
+    if not cfg.exists():
+        venv.create(dest, with_pip=False, symlinks=True, clear=True)
+    site = dest / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site.mkdir(parents=True, exist_ok=True)
+    tmp = site / f".kimi_vision.pth.{os.getpid()}"
+    tmp.write_text("\n".join(stub_paths()) + "\n")
+    tmp.replace(site / "kimi_vision.pth")  # atomic: servers may start side by side
+    return dest / "bin"
+
+
+def stub_numpy_version(bin_dir: Path) -> str:
+    """The numpy version the stub will import (its interpreter, -E like the stub)."""
+    out = subprocess.run([str(bin_dir / "python3"), "-E", "-c", "import numpy; print(numpy.__version__)"],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"the Python stub's environment cannot import numpy:\n{out.stderr[-2000:]}")
+    return out.stdout.strip()
+
+
+def check_stub_numpy(version: str) -> None:
+    """Refuse to start the bundled 2.51 server when its stub would run under numpy >= 2.
+
+    The 2.51 stub's pybind11 predates numpy 2's ABI: BYTES inputs arrive as filler bytes and the stub
+    aborts, numpy-built outputs arrive empty (reproduced on CPU and on the H200 by bench/stub_probe.py).
+    A clear error at start beats a crash - or zeros - at the first request.
+    """
+    if int(version.split(".")[0]) >= 2:
+        raise RuntimeError(
+            f"the tritonserver Python stub would import numpy {version}; the bundled Triton 2.51 stub corrupts "
+            f"tensors under numpy >= 2. Install numpy<2 in this environment (requirements.txt pins it), or put a "
+            f"folder holding numpy<2 in KIMI_STUB_SITE (pip install --target DIR 'numpy<2').")
+
+
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(pytriton_libs()), env.get("LD_LIBRARY_PATH", "")) if p)
-    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
-    site = sysconfig.get_paths()["purelib"]
-    # KIMI_STUB_PYTHONPATH goes first: on a host whose Python has numpy >= 2, point it at a folder with
-    # numpy < 2, because the 2.51 stub misreads BYTES inputs and drops numpy outputs under numpy 2.
-    first = env.get("KIMI_STUB_PYTHONPATH", "")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (first, str(REPO_ROOT), site, env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(prepare_stub_env(STUB_ENV)), env.get("PATH", "")))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -134,11 +184,13 @@ class TritonServer:
 
     def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = server_env()
+        check_stub_numpy(stub_numpy_version(STUB_ENV / "bin"))
         if stream_log:
-            self.proc = subprocess.Popen(self.command(), env=server_env(), start_new_session=True)
+            self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         else:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
-                self.proc = subprocess.Popen(self.command(), env=server_env(), stdout=out, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -221,7 +273,9 @@ def main(argv=None) -> int:
                                http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
     print(f"rendered {device} repository at {server.repository}; starting tritonserver (HTTP {args.http_port}, "
           f"gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
-    proc = subprocess.Popen(server.command(), env=server_env())
+    env = server_env()
+    check_stub_numpy(stub_numpy_version(STUB_ENV / "bin"))
+    proc = subprocess.Popen(server.command(), env=env)
     try:
         return proc.wait()
     except KeyboardInterrupt:
