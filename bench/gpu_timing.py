@@ -28,6 +28,16 @@ def cuda_time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, *, iters: int = 10) -> float:
+    """Median milliseconds of replaying fn() captured in a CUDA graph: GPU time without launch costs."""
+    fn()  # compile / warm caches before capturing
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_time_ms(graph.replay, iters=iters)
+
+
 def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
     """Median wall-clock milliseconds (host work included), synchronizing the GPU if present."""
     for _ in range(warmup):

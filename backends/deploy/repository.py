@@ -45,6 +45,7 @@ class Deployment:
     max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
     batch_delay_us: int = 2000  # how long moonvit3d's batcher waits for more requests
     max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
+    cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -145,6 +146,8 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
+    if dep.device == "gpu":
+        dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
     # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
     # an overloaded server refuses requests with an error instead of computing on zeros.
     dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,

@@ -6,8 +6,24 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from contextlib import contextmanager
 
 import torch
+
+# Tables handed out while a CUDA graph is captured: the graph reads them at their address on every
+# replay, so the graph must hold them even after the cache evicts them (see hold_tables_for_graph).
+_graph_holds: list[list[torch.Tensor]] = []
+
+
+@contextmanager
+def hold_tables_for_graph():
+    """Collects every table any TensorCache hands out inside the block; keep the list with the graph."""
+    held: list[torch.Tensor] = []
+    _graph_holds.append(held)
+    try:
+        yield held
+    finally:
+        _graph_holds.pop()
 
 
 class TensorCache:
@@ -20,10 +36,19 @@ class TensorCache:
         table = self._items.get(key)
         if table is not None:
             self._items.move_to_end(key)
-            return table
+        else:
+            table = self._make(key, make)
+        if _graph_holds:
+            _graph_holds[-1].append(table)
+        return table
+
+    def _make(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         table = make()
         size = table.numel() * table.element_size()
-        if size <= self.max_bytes:
+        # A table made while a CUDA graph is being captured is not computed until the graph replays
+        # (and lives in the graph's private memory): never keep it for eager callers.
+        capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
+        if size <= self.max_bytes and not capturing:
             while self.bytes + size > self.max_bytes:
                 _, old = self._items.popitem(last=False)
                 self.bytes -= old.numel() * old.element_size()

@@ -49,45 +49,70 @@ def prepare_rope(freqs: torch.Tensor) -> PreparedRope:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["n_rows"])  # random image sizes must not recompile
+    @triton.jit(do_not_specialize=["n_tokens"])  # random image sizes must not recompile
     def _rope_inplace_kernel(
         q_ptr, k_ptr, cs_ptr,
-        n_rows,
+        n_tokens,
         q_stride_t, q_stride_h, k_stride_t, k_stride_h,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, NUM_PAIRS: tl.constexpr, HEADS_CONTIGUOUS: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, CHUNKS: tl.constexpr, MASK_P: tl.constexpr,
         ARITH: tl.constexpr,
     ):
-        # Rows are (token, head) pairs of q (program_id(1) == 0) or k (== 1); each row's HEAD_DIM values
-        # are one contiguous, coalesced load. Element e pairs with e ^ 1 (its complex partner, read
-        # again from L1), and uses the rotation (cos_j, sin_j) of pair j = e // 2.
-        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # (R, 1)
-        e = tl.arange(0, BLOCK_D)[None, :]  # (1, D)
-        mask = (row < n_rows) & (e < HEAD_DIM)
-        tok = (row // NUM_HEADS).to(tl.int64)  # int64: long videos overflow int32 offsets
-        head = row % NUM_HEADS
-        if tl.program_id(1) == 0:
-            base = q_ptr + tok * q_stride_t + head * q_stride_h
-        else:
-            base = k_ptr + tok * k_stride_t + head * k_stride_h
-        x = tl.load(base + e, mask=mask, other=0.0).to(tl.float32)
-        partner = tl.load(base + (e ^ 1), mask=mask, other=0.0).to(tl.float32)
-        pair = tok * HEAD_DIM + (e // 2) * 2  # cos_sin is (L, D/2, 2): cos at 2j, sin at 2j + 1
-        c = tl.load(cs_ptr + pair, mask=mask, other=0.0)
-        s = tl.load(cs_ptr + pair + 1, mask=mask, other=0.0)
-        even = (e % 2) == 0
-        a = tl.where(even, x, partner)  # the pair's real part
-        b = tl.where(even, partner, x)  # its imaginary part
-        # (a + bi)(c + di), with the roundings of the portable path on this device (ARITH).
+        # A program owns BLOCK_T tokens and CHUNKS * BLOCK_P of each token's NUM_PAIRS = H * D / 2
+        # complex pairs, in q and in k. A token's heads are one contiguous run in the QKV projection
+        # (HEADS_CONTIGUOUS), so each chunk is a dense (BLOCK_T, BLOCK_P, 2) tile: one coalesced load,
+        # split into real and imaginary parts in registers, one store. The rotation of pair p is entry
+        # p % (D / 2) of the token's row in cs (L, D/2, 2); it is read once for q and k together.
+        half: tl.constexpr = HEAD_DIM // 2
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]  # (T, 1, 1)
+        tmask = tok < n_tokens
+        tok = tok.to(tl.int64)  # int64: long videos overflow int32 offsets
+        j = tl.arange(0, 2)[None, None, :]  # (1, 1, 2): real, imaginary
+        for chunk in tl.static_range(CHUNKS):
+            p = (tl.program_id(1) * CHUNKS + chunk) * BLOCK_P + tl.arange(0, BLOCK_P)[None, :, None]  # (1, P, 1)
+            if MASK_P:
+                mask = tmask & (p < NUM_PAIRS)
+            else:
+                mask = tmask
+            if HEADS_CONTIGUOUS:
+                q_off = tok * q_stride_t + 2 * p + j
+                k_off = tok * k_stride_t + 2 * p + j
+            else:
+                head = p // half
+                elem = 2 * (p % half) + j
+                q_off = tok * q_stride_t + head * q_stride_h + elem
+                k_off = tok * k_stride_t + head * k_stride_h + elem
+            c, s = tl.split(tl.load(cs_ptr + tok * HEAD_DIM + 2 * (p % half) + j, mask=mask, other=0.0))
+            _rotate_tile(q_ptr + q_off, mask, c, s, ARITH)
+            _rotate_tile(k_ptr + k_off, mask, c, s, ARITH)
+
+    @triton.jit
+    def _rotate_tile(ptrs, mask, c, s, ARITH: tl.constexpr):
+        a, b = tl.split(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
+        # (a + bi)(c + si), with the roundings of the portable path on this device (ARITH).
         if ARITH == 0:  # two rounded products, then the sum (needs fp fusion off)
             re = a * c - b * s
             im = a * s + b * c
-        elif ARITH == 1:  # the first product fused: fma(a, c, -(b*d)), fma(a, d, b*c)
+        elif ARITH == 1:  # the first product fused: fma(a, c, -(b*s)), fma(a, s, b*c)
             re = tl.fma(a, c, -(b * s))
             im = tl.fma(a, s, b * c)
-        else:  # the second product fused: fma(-b, d, a*c), fma(b, c, a*d)
+        else:  # the second product fused: fma(-b, s, a*c), fma(b, c, a*s)
             re = tl.fma(-b, s, a * c)
             im = tl.fma(b, c, a * s)
-        tl.store(base + e, tl.where(even, re, im).to(base.dtype.element_ty), mask=mask)
+        tl.store(ptrs, tl.join(re, im).to(ptrs.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(num_pairs: int, block_t: int) -> dict:
+    """Tile sizes for a token's `num_pairs` pairs: the largest power of two dividing it (no masking;
+    576 = 64 x 9 for 16 heads x 72), else a masked power of two; chunks looped per program."""
+    block_p = min(num_pairs & -num_pairs, 128)
+    mask_p = block_p < 16
+    if mask_p:
+        block_p = min(triton.next_power_of_2(num_pairs), 128)
+    n_chunks = triton.cdiv(num_pairs, block_p)
+    # Loop over up to 3 chunks per program (the rotation row stays in L1); the rest go to the grid.
+    chunks = next(c for c in (3, 2, 1) if n_chunks % c == 0)
+    return dict(BLOCK_T=block_t, BLOCK_P=block_p, CHUNKS=chunks, MASK_P=mask_p), n_chunks // chunks
 
 
 # How torch's complex64 multiply rounds, per device type: ATen's CPU kernel rounds both products
@@ -98,7 +123,7 @@ PORTABLE_ARITH = {"cpu": 0, "cuda": 1}
 
 
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
-                       block_r: int = 64, arith: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_t: int = 16, arith: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -116,11 +141,13 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
         return q, k
     if arith is None:
         arith = PORTABLE_ARITH.get(q.device.type, 1)
-    grid = (triton.cdiv(L * H, block_r), 2)
+    tiles, chunk_programs = _launch_shape(H * D // 2, block_t)
+    contiguous = (H == 1 or (q.stride(1) == D and k.stride(1) == D))
+    grid = (triton.cdiv(L, block_t), chunk_programs)
     _rope_inplace_kernel[grid](
-        q, k, prepared.cos_sin, L * H,
+        q, k, prepared.cos_sin, L,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        NUM_HEADS=H, HEAD_DIM=D, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D),
+        HEAD_DIM=D, NUM_PAIRS=H * D // 2, HEADS_CONTIGUOUS=contiguous, **tiles,
         ARITH=arith, enable_fp_fusion=arith != 0,
     )
     return q, k

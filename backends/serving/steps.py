@@ -29,6 +29,7 @@ class ModelSettings:
     checkpoint: str = ""
     device: str = "cpu"
     limits: Limits = Limits()
+    cuda_graphs: int = 0  # encoder graphs to keep (backends.encoder.graphs); 0 = eager
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
@@ -38,7 +39,8 @@ class ModelSettings:
             max_patches=int(params.get("max_patches", base.max_patches)),
             max_image_pixels=int(params.get("max_image_pixels", base.max_image_pixels)),
         )
-        return cls(checkpoint=params.get("checkpoint", ""), device=device, limits=limits)
+        return cls(checkpoint=params.get("checkpoint", ""), device=device, limits=limits,
+                   cuda_graphs=int(params.get("cuda_graphs", 0)))
 
     def vision_config(self) -> VisionConfig:
         if not self.checkpoint:
@@ -101,8 +103,14 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, patch_size: int, merge_tokens: int):
+    def __init__(self, model, patch_size: int, merge_tokens: int, cuda_graphs: int = 0):
         self.model = model
+        # The forward used for batches: graph replays for grid lists seen before, on CUDA.
+        self.forward = model
+        if cuda_graphs > 0 and model.device.type == "cuda":
+            from backends.encoder.graphs import GraphedEncoder
+
+            self.forward = GraphedEncoder(model, max_graphs=cuda_graphs)
         self.patch_size = patch_size
         self.merge_tokens = merge_tokens
 
@@ -153,7 +161,7 @@ class EncoderStep:
         device = self.model.device
         # Cast each request before joining: an empty (text-only) request must not promote the batch.
         pixels = torch.cat([r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs])
-        out = self.model(pixels, grids)
+        out = self.forward(pixels, grids)
         # Split on host-known token counts: no device read.
         sizes = [self._tokens(r.grid_thws) for r in reqs]
         return list(torch.split(out, sizes))

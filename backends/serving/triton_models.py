@@ -215,7 +215,8 @@ class EncoderModel(_Adapter):
 
         model, cfg = load_model(self.settings.checkpoint, self.settings.device,
                                 dtype=_out_dtype(self.config, "IMAGE_EMBEDS"))
-        self.step = EncoderStep(model, cfg.encoder.patch_size, cfg.encoder.merge_tokens)
+        self.step = EncoderStep(model, cfg.encoder.patch_size, cfg.encoder.merge_tokens,
+                                cuda_graphs=self.settings.cuda_graphs)
 
     def execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""

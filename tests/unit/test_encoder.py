@@ -119,3 +119,34 @@ def test_table_cache_is_bounded_by_bytes_and_keeps_recent_tables():
     assert made[-1] == 2  # rebuilt after eviction
     big = cache.get(9, lambda: torch.zeros(1000))  # larger than the bound: returned, not kept
     assert big.numel() == 1000 and cache.bytes <= 1200
+
+
+def test_tables_handed_out_during_a_capture_are_held_by_it():
+    """A CUDA graph reads cached tables by address on every replay: whatever a cache hands out while a
+    graph is captured goes into the graph's hold list, hits and misses alike."""
+    from backends.encoder.cache import TensorCache, hold_tables_for_graph
+
+    cache = TensorCache(max_bytes=1 << 20)
+    before = cache.get("a", lambda: torch.ones(4))
+    with hold_tables_for_graph() as held:
+        hit = cache.get("a", lambda: torch.zeros(4))
+        miss = cache.get("b", lambda: torch.zeros(4))
+    cache.get("c", lambda: torch.zeros(4))  # outside: not held
+    assert hit is before and len(held) == 2 and held[0] is hit and held[1] is miss
+
+
+def test_graphed_encoder_runs_eagerly_off_cuda():
+    from backends.encoder.graphs import GraphedEncoder
+
+    model = demo_model(CFG)
+    graphed = GraphedEncoder(model)
+    grids = np.array([[1, 4, 6]])
+    x = torch.randn(24, 3, 14, 14)
+    for _ in range(3):
+        assert torch.equal(graphed(x, grids), model(x, grids))
+    assert graphed.captures == 0 and graphed.replays == 0
+
+
+def test_encoder_step_uses_graphs_only_on_cuda_when_asked():
+    model = demo_model(CFG)
+    assert EncoderStep(model, 14, 4, cuda_graphs=8).forward is model  # CPU: eager whatever the setting

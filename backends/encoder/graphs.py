@@ -1,0 +1,96 @@
+"""CUDA graphs for the encoder forward, per exact list of grids.
+
+A forward is ~560 kernel launches (27 layers of norms, GEMMs, RoPE, attention, GELU, residuals); for
+one 1024^2 image the host needed about as long to launch them as the GPU needed to run them
+(bench/results/h200-2026-11-30/profile_encoder_eager_fa4.txt). Replaying a captured graph removes
+the host cost. Shapes are fixed inside a graph, so graphs are keyed by the exact grid list: a list
+seen for the second time is captured (one-off sizes never pay for a capture), up to `max_graphs`
+graphs, least recently used first out, and only for batches up to `max_patches` patches (larger ones
+are GPU-bound, and their activations would make each graph's memory large). All graphs share one
+memory pool; they never run concurrently (one forward at a time per model instance).
+
+Correctness rests on the forward doing no host work that depends on device values (it never syncs:
+tests/gpu check it under set_sync_debug_mode("error")), on metadata being built outside the capture,
+on per-grid caches refusing to keep tables made during a capture, and on each graph holding every
+table it reads (TensorCache, hold_tables_for_graph), so an eviction cannot free memory a graph uses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from backends.encoder.cache import hold_tables_for_graph
+from backends.encoder.metadata import ForwardMetadata, as_grid_list
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    pixels: torch.Tensor  # the static input the graph reads
+    out: torch.Tensor  # the static output it writes
+    # Everything else the graph reads by address must outlive it: the metadata's device tensors
+    # (cu_seqlens, RoPE table) and the cached tables the forward used (position embeddings).
+    meta: ForwardMetadata
+    tables: list[torch.Tensor]
+
+
+class GraphedEncoder:
+    """Callable like the model: (pixel_values, grid_thws) -> embeddings; eager where graphs do not apply."""
+
+    def __init__(self, model, *, max_graphs: int = 16, max_patches: int = 16384):
+        self.model = model
+        self.max_graphs = max_graphs
+        self.max_patches = max_patches
+        self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()  # lists seen once (bounded like graphs)
+        self.pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def applies(self, num_patches: int) -> bool:
+        return self.model.device.type == "cuda" and 0 < num_patches <= self.max_patches
+
+    def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
+        grids = as_grid_list(grid_thws)
+        if not self.applies(pixel_values.shape[0]):
+            return self.model(pixel_values, grids)
+        key = tuple(grids)
+        captured = self.graphs.get(key)
+        if captured is None:
+            if key not in self.seen:
+                self.seen[key] = None
+                while len(self.seen) > 4 * self.max_graphs:
+                    self.seen.popitem(last=False)
+                return self.model(pixel_values, grids)
+            captured = self._capture(pixel_values, grids)
+        self.graphs.move_to_end(key)
+        captured.pixels.copy_(pixel_values)
+        captured.graph.replay()
+        self.replays += 1
+        # The static output is overwritten by the next replay: hand out a copy.
+        return captured.out.clone()
+
+    def _capture(self, pixel_values: torch.Tensor, grids) -> _Captured:
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        model = self.model
+        meta = model.metadata(grids)  # host work and its uploads happen outside the capture
+        static = pixel_values.to(model.dtype).clone()
+        # Warm up on a side stream (as torch.cuda.graphs recommends): caches filled, kernels compiled.
+        side = torch.cuda.Stream(device=model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            model(static, meta)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool):
+            out = model(static, meta)
+        captured = _Captured(graph, static, out, meta, tables)
+        self.graphs[tuple(grids)] = captured
+        self.captures += 1
+        return captured
