@@ -112,18 +112,23 @@ def rope_section(bw: float, lines: list, results: dict) -> None:
     floor_ms = nbytes / (bw * 1e9) * 1e3
     # Eager timing includes 27 kernel launches from Python; the graph replay is the kernels alone.
     sweep = {}
-    for block_t in (4, 8, 16, 32):
-        run = lambda: [fused_rope.apply_rope_inplace(qkv[:, 0], qkv[:, 1], prepared, block_t=block_t)  # noqa: E731
-                       for _ in range(layers)]
-        sweep[block_t] = {"eager_ms": cuda_time_ms(run), "graph_ms": graph_time_ms(run)}
-    default_t = fused_rope.apply_rope_inplace.__defaults__[0]
-    fused_ms, fused_graph_ms = sweep[default_t]["eager_ms"], sweep[default_t]["graph_ms"]
+    configs = [(t, 3, 4) for t in (1, 2, 4, 8, 16)] + [(t, c, w) for t in (2, 4) for c, w in ((1, 4), (3, 2), (9, 4))]
+    for block_t, chunks, warps in configs:
+        def run(block_t=block_t, chunks=chunks, warps=warps):
+            for _ in range(layers):
+                fused_rope.apply_rope_inplace(qkv[:, 0], qkv[:, 1], prepared, block_t=block_t, max_chunks=chunks,
+                                              num_warps=warps)
+        sweep[f"{block_t}/{chunks}/{warps}"] = {"eager_ms": cuda_time_ms(run), "graph_ms": graph_time_ms(run)}
+    fused_ms = cuda_time_ms(lambda: [fused_rope.apply_rope_inplace(qkv[:, 0], qkv[:, 1], prepared) for _ in range(layers)])
+    fused_graph_ms = graph_time_ms(lambda: [fused_rope.apply_rope_inplace(qkv[:, 0], qkv[:, 1], prepared)
+                                           for _ in range(layers)])
     portable_ms = cuda_time_ms(lambda: [apply_rope_portable(qkv[:, 0], qkv[:, 1], freqs) for _ in range(layers)])
     lines.append(f"\nRoPE, {layers} layers x {tokens} tokens x {heads} heads x {hd}: fused in-place {fused_graph_ms:.3f} ms "
                  f"(kernels alone, CUDA graph; {fused_ms:.3f} ms with eager launches), portable {portable_ms:.3f} ms, "
                  f"HBM floor {floor_ms:.3f} ms -> fused at {fused_graph_ms / floor_ms:.2f}x the floor "
                  f"({fused_ms / floor_ms:.2f}x eager)")
-    lines.append("\n| block_t (tokens per program) | eager ms | graph ms | graph / floor |\n|---|---|---|---|")
+    lines.append("\n| tokens per program / chunks looped per program / warps | eager ms | graph ms | graph / floor |\n"
+                 "|---|---|---|---|")
     lines += [f"| {t} | {v['eager_ms']:.3f} | {v['graph_ms']:.3f} | {v['graph_ms'] / floor_ms:.2f}x |" for t, v in sweep.items()]
     results["rope"] = {"fused_ms": fused_ms, "fused_graph_ms": fused_graph_ms, "portable_ms": portable_ms,
                        "floor_ms": floor_ms, "block_t_sweep": sweep}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything we run on the GPU machine, in stages, writing results under $OUT (or bench/out).
 #   bash bench/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
-#   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks
+#   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks (encoder / rope: parts)
 #   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
 #   stages also: profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
 #   stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
@@ -51,6 +51,8 @@ for stage in "$@"; do
       grep -E "ROPE_ARITH|BF16_ERR|GPU_ENSEMBLE|SMALL_POOL|passed|failed|^E  " "$out/gpu_tests.log" | head -60 ;;
     profile)
       python3 -m bench.profile_encoder --out "$out" 2>&1 | grep -E "^##|Self CUDA time total|^ *[a-zA-Z_:<>]" | head -90 ;;
+    rope) python3 -m bench.encoder_bench --rope-only --out "$out/rope" 2>&1 | tail -12 ;;
+    encoder) python3 -m bench.encoder_bench --out "$out" 2>&1 | tail -40 ;;
     bench)
       python3 -m bench.encoder_bench --out "$out" 2>&1 | tail -40
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
