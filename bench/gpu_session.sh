@@ -2,7 +2,8 @@
 # Everything we run on the GPU machine, in stages, writing results under $OUT (or bench/out).
 #   bash bench/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
 #   bash bench/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks (encoder / rope: parts)
-#   bash bench/gpu_session.sh perf    # random real-size checkpoint -> ensemble latency + perf_analyzer
+#   bash bench/gpu_session.sh perf    # random real-size checkpoint -> e2e (ours vs reference) + perf_analyzer
+#   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
 #   stages also: profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
 #   stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries)
@@ -33,6 +34,22 @@ perf_setup() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/perf .whl/perf/nvidia_cuda_runtime_cu12-*.whl
   export LD_LIBRARY_PATH=/tmp/perf/b64/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 }
+random_checkpoint() {  # written once per machine; config.json comes last, so its presence means complete
+  [[ -f /tmp/kimi-random/config.json ]] || python3 -m bench.make_checkpoint /tmp/kimi-random > /dev/null
+}
+e2e() {
+  random_checkpoint
+  python3 -m bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" > "$out/e2e_bench.log" 2>&1
+  tail -28 "$out/e2e_bench.log"
+}
+perfanalyzer() {  # both ensembles, gRPC vs CUDA shared memory for the outputs, one 1024^2 JPEG per request
+  perf_setup; random_checkpoint
+  python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
+    --concurrency 1,4,16 --measurement-ms 3000 --ensembles plain,batched --shared-memory none,cuda \
+    --out "$out/perf" > "$out/perf_gpu.log" 2>&1
+  grep -E "^perf_analyzer (exited|timed out)|^error" "$out/perf_gpu.log" | head -8
+  cp "$out/perf/perf_summary.md" "$out/perf_gpu.md" && cat "$out/perf_gpu.md" || tail -20 "$out/perf_gpu.log"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
@@ -56,12 +73,9 @@ for stage in "$@"; do
     bench)
       python3 -m bench.encoder_bench --out "$out" 2>&1 | tail -40
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
-    perf)
-      perf_setup
-      python3 -m bench.make_checkpoint /tmp/kimi-random > /dev/null
-      python3 -m bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" 2>&1 | tail -12
-      python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
-        --concurrency 1,4,16 --measurement-ms 3000 --out "$out/perf" 2>&1 | tail -8 | tee "$out/perf_gpu.txt" ;;
+    e2e) e2e ;;
+    perfanalyzer) perfanalyzer ;;
+    perf) e2e; perfanalyzer ;;
   esac
 done
 cp build/tritonserver-*.log "$out/" 2>/dev/null

@@ -20,9 +20,9 @@ from backends.encoder.moonvit3d import KimiVisionModel
 from backends.weights.demo import init_random_
 
 
-def write_checkpoint(out: Path, cfg: EncoderConfig = EncoderConfig(), dtype=torch.bfloat16) -> Path:
+def write_checkpoint(out: Path, cfg: EncoderConfig = EncoderConfig(), dtype=torch.bfloat16, std: float = 0.02) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    model = init_random_(KimiVisionModel(cfg))
+    model = init_random_(KimiVisionModel(cfg), std=std)
     state = {k: v.to(dtype).contiguous() for k, v in model.state_dict().items()}
     tower = {k: v for k, v in state.items() if k.startswith("vision_tower.")}
     projector = {k: v for k, v in state.items() if k.startswith("mm_projector.")}

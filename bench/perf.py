@@ -1,8 +1,17 @@
-"""`make perf`: the real perf_analyzer over gRPC against the ensemble, fixed inputs, several concurrencies.
+"""`make perf`: the real perf_analyzer over gRPC against the ensembles, fixed inputs, several
+concurrencies and shared-memory modes, one server, one run.
 
 Inputs (`--images`): `sample` = the `make run` request (a 640x480 JPEG and a 300x200 PNG), or `1024` =
-one 1024x1024 JPEG. Prints throughput (requests/s and images/s) and p50/p99 latency per concurrency
-and writes perf_analyzer's CSVs under --out. Recorded, never asserted: absolute numbers mean something
+one 1024x1024 JPEG. `--shared-memory none,cuda` measures each mode side by side: `none` sends the
+inputs and returns every output over gRPC; `system` / `cuda` make perf_analyzer place the inputs and
+every output in POSIX / CUDA shared memory (perf_analyzer cannot keep the inputs on gRPC while the
+outputs go to shared memory; the inputs are a few hundred kB, the embeddings tens of MB). Each output
+region is sized from the request (`output_byte_sizes`).
+
+Prints, per (ensemble, shared-memory mode, concurrency): throughput (requests/s and images/s), p50/p99
+latency and two of perf_analyzer's averages, the server's "compute output" and the client's
+"network + server send/recv", where the embeddings' trip back shows. Writes perf_analyzer's CSVs and
+the table (perf_summary.md) under --out. Recorded, never asserted: absolute numbers mean something
 only on the machine that produced them.
 """
 
@@ -12,16 +21,26 @@ import argparse
 import base64
 import csv
 import json
+import math
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from backends.deploy.repository import Deployment
-from backends.deploy.server import BUILD, deployment_server, resolve_device
-from clients.kimi_client import chat_prompt_ids
+from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.deploy.repository import BATCHED_ENSEMBLE, ENSEMBLE, Deployment, model_configs
+from backends.deploy.server import BUILD, deployment_server, gpu_available, resolve_device
+from backends.serving.steps import PlaceholderStep
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
+
+ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE}
+SHM_MODES = ("none", "system", "cuda")
+DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2}
 
 
 def request_images(kind: str) -> list[bytes]:
@@ -32,28 +51,70 @@ def request_images(kind: str) -> list[bytes]:
     raise SystemExit(f"--images must be 'sample' or '1024', got {kind!r}")
 
 
-def write_input_data(path: Path, images: list[bytes]) -> Path:
+def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes]) -> dict[str, int]:
+    """Bytes of each ensemble output for one request (without a batch dimension), as `dep` serves it.
+
+    Rows come from the placeholder step the server runs (the checkpoint's resize rule and 2x2 merge:
+    IMAGE_EMBEDS has one row per image token, EXPANDED_IDS the prompt with each placeholder repeated
+    once per token); widths and dtypes from the rendered ensemble config (text hidden size from the
+    deployment's checkpoint config; BF16 on GPU, FP32 on CPU). An output this function has no row
+    count for raises, so a new output cannot silently get a too-small shared-memory region.
+    """
+    step = PlaceholderStep(dep.vision, dep.limits)(input_ids, images)
+    counts = step["IMAGE_TOKEN_COUNTS"]
+    rows = {"EXPANDED_IDS": len(step["EXPANDED_IDS"]), "IMAGE_EMBEDS": int(counts.sum()),
+            "GRID_THWS": len(counts), "IMAGE_TOKEN_COUNTS": len(counts)}
+    sizes = {}
+    for out in model_configs(dep)[ENSEMBLE].output:
+        if out.name not in rows:
+            raise ValueError(f"output {out.name} of {ENSEMBLE} has no size rule in output_byte_sizes")
+        dtype = mc.DataType.Name(out.data_type)
+        sizes[out.name] = rows[out.name] * math.prod(out.dims[1:]) * DTYPE_BYTES[dtype]
+    return sizes
+
+
+def write_input_data(path: Path, images: list[bytes], *, media_frames: bool = False) -> Path:
     """perf_analyzer JSON: INT64 ids as content; the BYTES tensor as base64 of its serialized form
-    (each element a 4-byte little-endian length followed by its bytes)."""
+    (each element a 4-byte little-endian length followed by its bytes). media_frames=True also sends
+    the optional MEDIA_FRAMES as zeros (every entry a still image: the same request as without it),
+    because perf_analyzer's shared-memory mode refuses a model input that has no data."""
     serialized = b"".join(len(b).to_bytes(4, "little") + b for b in images)
     ids = chat_prompt_ids(len(images))
-    data = {"data": [{
+    request = {
         "INPUT_IDS": {"content": ids.tolist(), "shape": [len(ids)]},
         "IMAGES": {"b64": base64.b64encode(serialized).decode(), "shape": [len(images)]},
-    }]}
-    path.write_text(json.dumps(data))
+    }
+    if media_frames:
+        request["MEDIA_FRAMES"] = {"content": [0] * len(images), "shape": [len(images)]}
+    path.write_text(json.dumps({"data": [request]}))
     return path
 
 
 def perf_analyzer_env(perf_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    libs = [str(perf_dir / "nvidia" / "cuda_runtime" / "lib")]
+    libs = [str(perf_dir / "nvidia" / "cuda_runtime" / "lib")]  # libcudart.so.12 (CUDA shared memory)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
     return env
 
 
+def parse_list(value: str, allowed, flag: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise SystemExit(f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {value!r}")
+    return items
+
+
+def _ms(row: dict, column: str) -> float:
+    """perf_analyzer's CSV gives microseconds; a column it did not write reads as NaN."""
+    try:
+        return float(row[column]) / 1000
+    except (KeyError, TypeError, ValueError):
+        return float("nan")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     ap.add_argument("--perf-dir", type=Path, default=Path(".venv/perf_analyzer"))
@@ -64,45 +125,97 @@ def main(argv=None) -> int:
     ap.add_argument("--ensembles", default="plain",
                     help="comma-separated: plain (kimi_k25_vision) and/or batched (kimi_k25_vision_batched, "
                          "requests of batch 1 that the server batches across clients); one server, one run")
+    ap.add_argument("--shared-memory", default="none",
+                    help="comma-separated perf_analyzer --shared-memory modes to measure side by side: none "
+                         "(gRPC), system (POSIX shm, same host) and/or cuda (CUDA shm, needs a GPU here); "
+                         "inputs and outputs both go through it, each output region sized from the request")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
     device = resolve_device(args.device)
-    args.out.mkdir(parents=True, exist_ok=True)
-    images = request_images(args.images)
-    data = write_input_data(args.out / "input_data.json", images)
+    ensembles = parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles")
+    shm_modes = parse_list(args.shared_memory, SHM_MODES, "--shared-memory")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if "cuda" in shm_modes and not gpu_available():
+        raise SystemExit("--shared-memory cuda needs a CUDA GPU on this host (perf_analyzer allocates the regions)")
     binary = args.perf_dir / "bin" / "perf_analyzer"
     if not binary.exists():
         raise SystemExit(f"{binary} not found: run `make perf` (it installs perf_analyzer) or pass --perf-dir")
-    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"perf-{device}")
-    names = {"plain": "kimi_k25_vision", "batched": "kimi_k25_vision_batched"}
-    runs = [(names[e], int(c)) for e in args.ensembles.split(",") for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    images = request_images(args.images)
+    # One request for every mode of the run, so that the modes compare like for like.
+    with_frames = shm_modes != ["none"]
+    data = write_input_data(args.out / "input_data.json", images, media_frames=with_frames)
+    dep = Deployment(device=device, checkpoint=args.checkpoint)
+    sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images)
+    # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
+    output_region = max(sizes.values())
+    if max(levels) > dep.max_queue:
+        print(f"note: concurrency {max(levels)} exceeds moonvit3d's queue bound ({dep.max_queue}); the server "
+              f"refuses what does not fit, so expect errors there")
+    server = deployment_server(dep, f"perf-{device}")
+    runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows = []
     t0 = time.monotonic()
     with server:
-        for model, level in runs:
-            csv_path = args.out / f"perf_{device}_{model}_{args.images}_c{level}.csv"
+        # A few requests per ensemble first, so that no measurement window pays for first-call work
+        # (kernel compilation for this image size, the encoder's CUDA graph capture on the second
+        # sighting of a grid list, lazy imports in the stubs).
+        for name in ensembles:
+            client = KimiVisionClient(server.grpc_url, batched=name == "batched")
+            for _ in range(3):
+                client.infer(chat_prompt_ids(len(images)), images)
+            client.close()
+        for model, shm, level in runs:
+            csv_path = args.out / f"perf_{device}_{model}_{args.images}_shm-{shm}_c{level}.csv"
             cmd = [str(binary), "-m", model, "-b", "1", "-i", "grpc", "-u", server.grpc_url,
                    "--input-data", str(data), "--concurrency-range", f"{level}:{level}",
                    "--measurement-interval", str(args.measurement_ms), "--percentile", "99",
                    "-f", str(csv_path), "--verbose-csv"]
             cmd += ["--stability-percentage", str(args.stability), "--max-trials", "10"]
-            print("$", " ".join(cmd), flush=True)
-            proc = subprocess.run(cmd, env=perf_analyzer_env(args.perf_dir), capture_output=True, text=True)
+            if shm != "none":
+                cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(output_region)]
+            print("$", shlex.join(cmd), flush=True)
+            try:
+                # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
+                proc = subprocess.run(cmd, env=perf_analyzer_env(args.perf_dir), capture_output=True, text=True,
+                                      timeout=12 * args.measurement_ms / 1000 + 120)
+            except subprocess.TimeoutExpired as exc:
+                print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
+                rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": "timeout"})
+                continue
             if proc.returncode != 0:
                 # e.g. exit 2: no stable window within --max-trials (a busy 2-core machine)
-                print(f"perf_analyzer exited {proc.returncode} at concurrency {level}:\n{proc.stdout[-1500:]}{proc.stderr[-800:]}")
+                print(f"perf_analyzer exited {proc.returncode} ({model}, shm {shm}, concurrency {level}):\n"
+                      f"{proc.stdout[-1500:]}{proc.stderr[-800:]}")
+                rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": proc.returncode})
                 continue
             with open(csv_path) as f:
-                rows += [{**row, "model": model} for row in csv.DictReader(f)]
+                rows += [{**row, "model": model, "shm": shm} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
-    print(f"\n{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, images={args.images} "
-          f"({len(images)} per request), {time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s")
-    print(f"{'ensemble':>24} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+
+    lines = [f"$ python -m bench.perf {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
+             f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "
+             f"checkpoint={args.checkpoint or 'embedded demo'}, images={args.images} ({len(images)} per request), "
+             f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
+             + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
+             "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
+             + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),
+             "out ms = server compute output (avg), net ms = network + server send/recv (avg)",
+             f"{'ensemble':>24} {'shm':>6} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} "
+             f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8}"]
     for row in rows:
+        head = f"{row['model']:>24} {row['shm']:>6} {row['Concurrency']:>11}"
+        if "failed" in row:
+            lines.append(f"{head}   perf_analyzer failed ({row['failed']}; its output is printed above)")
+            continue
         rps = float(row["Inferences/Second"])
-        print(f"{row['model']:>24} {row['Concurrency']:>11} {rps:9.2f} {len(images) * rps:9.2f} "
-              f"{float(row['p50 latency']) / 1000:9.1f} {float(row['p99 latency']) / 1000:9.1f}")
+        lines.append(f"{head} {rps:9.2f} {len(images) * rps:9.2f} {_ms(row, 'p50 latency'):9.1f} "
+                     f"{_ms(row, 'p99 latency'):9.1f} {_ms(row, 'Server Compute Output'):8.1f} "
+                     f"{_ms(row, 'Network+Server Send/Recv'):8.1f}")
+    text = "\n".join(lines)
+    print("\n" + text)
+    (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
     return 0
 
 

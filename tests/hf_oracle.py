@@ -4,12 +4,14 @@
 constructs (only its hidden_size, the projector output, matters). `reinit_` draws trained-like weights:
 with transformers' std 0.02 init attention is almost uniform and a wrong RoPE or position embedding
 would hide under a tolerance. `load_ours` moves the same weights into our model through
-`save_pretrained` + our loader, i.e. through the layout real users have on disk.
+`save_pretrained` + our loader, i.e. through the layout real users have on disk;
+`load_checkpoint_into_hf` goes the other way (a checkpoint our server serves -> transformers' model).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import tempfile
 
 import torch
@@ -66,6 +68,67 @@ def load_ours(model, device="cpu", dtype=None):
         model.save_pretrained(tmp)
         ours, _ = load_vision_model(tmp, device=device, dtype=dtype)
     return ours
+
+
+def hf_config_from(enc, attn: str = "sdpa"):
+    """`hf_config` for one of our EncoderConfigs (a checkpoint's), refusing what `hf_config` cannot say."""
+    fixed = {"patch_size": (enc.patch_size, 14), "merge_kernel_size": (tuple(enc.merge_kernel_size), (2, 2)),
+             "init_pos_emb_time": (enc.init_pos_emb_time, 4),
+             "init_pos_emb_width": (enc.init_pos_emb_width, enc.init_pos_emb_height)}
+    wrong = {k: got for k, (got, want) in fixed.items() if got != want}
+    if wrong:
+        raise ValueError(f"hf_config builds patch 14, merge 2x2, pos-emb time 4 and a square pos-emb grid; "
+                         f"this encoder has {wrong}")
+    return hf_config(hidden=enc.hidden_size, layers=enc.num_layers, heads=enc.num_heads,
+                     intermediate=enc.intermediate_size, pos_emb=enc.init_pos_emb_height,
+                     text_hidden=enc.text_hidden_size, attn=attn)
+
+
+def permute_rope_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Our (= the original checkpoint's) q/k rows -> transformers' rotate-half order: per head, the
+    complex pair (2j, 2j+1) goes to rows (j, Dh/2 + j). Inverse of the loader's `unpermute_rope_rows`."""
+    half = t.shape[0] // num_heads // 2
+    return t.reshape(num_heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def load_checkpoint_into_hf(model, checkpoint_dir) -> None:
+    """Copy a checkpoint's vision tower + projector (any layout our loader reads) into transformers'
+    `Kimi_K25Model` in place, so that transformers runs exactly the weights our server serves.
+
+    Our loader's name mapping is run backwards: each of transformers' parameters is named the way our
+    loader would name it, and q/k/v are cut from our fused `wqkv` (q and k re-permuted for
+    rotate-half RoPE). Every checkpoint tensor must be used exactly once, with the parameter's shape.
+    """
+    from backends.weights.loader import VISION_PREFIXES, canonical_name, detect_block_naming, read_vision_tensors, to_canonical
+
+    heads = model.config.vision_config.num_attention_heads
+    stored, _ = read_vision_tensors(checkpoint_dir)
+    ours, _ = to_canonical(stored, heads)
+    params = {k: p for k, p in model.named_parameters() if k.startswith(VISION_PREFIXES)}
+    naming = detect_block_naming(params)
+    split = re.compile(r"^(.+)\.attn\.([qkv])_proj\.(weight|bias)$")
+    used = set()
+    with torch.no_grad():
+        for key, param in params.items():
+            name = canonical_name(key, naming)
+            m = split.match(name)
+            if m:
+                name = f"{m.group(1)}.wqkv.{m.group(3)}"
+                if name not in ours:
+                    raise KeyError(f"transformers' {key} needs {name}, which {checkpoint_dir} does not hold")
+                q, k, v = ours[name].chunk(3)
+                value = {"q": permute_rope_rows(q, heads), "k": permute_rope_rows(k, heads), "v": v}[m.group(2)]
+            elif name in ours:
+                value = ours[name]
+            else:
+                raise KeyError(f"transformers' {key} (our name {name}) is not in {checkpoint_dir}")
+            if value.shape != param.shape:
+                raise ValueError(f"{key}: checkpoint tensor {name} has shape {list(value.shape)}, "
+                                 f"transformers expects {list(param.shape)}")
+            param.copy_(value)
+            used.add(name)
+    if set(ours) - used:
+        raise ValueError(f"checkpoint tensors with no transformers parameter: {sorted(set(ours) - used)[:5]}")
 
 
 def hf_image_features(model, pixel_values: torch.Tensor, grid_thws: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,10 @@ kimi = pytest.importorskip("transformers.models.kimi_k25")
 from safetensors.torch import save_file  # noqa: E402
 
 from backends.weights.loader import load_vision_model, unpermute_rope_rows  # noqa: E402
-from tests.hf_oracle import hf_config, reinit_, rel_err  # noqa: E402
+from backends.config import EncoderConfig  # noqa: E402
+from bench.make_checkpoint import write_checkpoint  # noqa: E402
+from tests import hf_oracle  # noqa: E402
+from tests.hf_oracle import hf_config, hf_config_from, load_checkpoint_into_hf, reinit_, rel_err  # noqa: E402
 
 TOL = 1e-5
 HEADS = 4
@@ -127,3 +130,39 @@ def test_saved_config_is_read(hf_model, tmp_path):
     assert (enc.hidden_size, enc.num_heads, enc.intermediate_size) == (64, HEADS, 128)
     assert (enc.init_pos_emb_height, enc.init_pos_emb_width, enc.init_pos_emb_time) == (8, 8, 4)
     assert cfg.tokens.media_pad == saved["image_token_id"]
+
+
+def test_permute_rope_rows_inverts_the_loaders_unpermute():
+    w, b = torch.randn(64, 32), torch.randn(64)
+    assert torch.equal(unpermute_rope_rows(hf_oracle.permute_rope_rows(w, HEADS), HEADS), w)
+    assert torch.equal(hf_oracle.permute_rope_rows(unpermute_rope_rows(b, HEADS), HEADS), b)
+
+
+def test_save_pretrained_weights_go_back_into_transformers_unchanged(hf_model, tmp_path):
+    """save_pretrained -> our loader's mapping run backwards -> a fresh transformers model: equal weights."""
+    hf_model.save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    fresh = kimi.Kimi_K25Model(tiny_config()).eval()
+    load_checkpoint_into_hf(fresh, tmp_path)
+    want = dict(hf_model.named_parameters())
+    for name, p in fresh.named_parameters():
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            assert torch.equal(p, want[name]), name
+
+
+def test_checkpoint_we_serve_runs_the_same_in_transformers(tmp_path, monkeypatch):
+    """The e2e benchmark's reference: the original-layout checkpoint tritonserver serves, loaded into
+    transformers' model, gives our encoder's output (fp32); without the RoPE re-permutation it does not."""
+    enc = EncoderConfig(hidden_size=64, num_layers=2, num_heads=HEADS, intermediate_size=128, init_pos_emb_height=8,
+                        init_pos_emb_width=8, text_hidden_size=96)
+    write_checkpoint(tmp_path, enc, std=0.2)
+    ours, cfg = load_vision_model(tmp_path)
+    pixels = torch.randn(sum(t * h * w for t, h, w in GRIDS), 3, 14, 14, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    model = kimi.Kimi_K25Model(hf_config_from(cfg.encoder)).eval()
+    load_checkpoint_into_hf(model, tmp_path)
+    expected = ours(pixels, GRIDS)
+    assert rel_err(hf_oracle.hf_image_features(model, pixels, torch.tensor(GRIDS)), expected) <= TOL
+    monkeypatch.setattr(hf_oracle, "permute_rope_rows", lambda t, heads: t)
+    load_checkpoint_into_hf(model, tmp_path)
+    assert rel_err(hf_oracle.hf_image_features(model, pixels, torch.tensor(GRIDS)), expected) > 1e3 * TOL

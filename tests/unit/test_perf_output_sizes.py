@@ -1,0 +1,42 @@
+"""The shared-memory region sizes bench/perf.py gives perf_analyzer: one request's bytes per ensemble
+output, for the deployment that serves it (rows from the resize rule, width from the checkpoint
+config, BF16 on GPU and FP32 on CPU)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from backends.config import DEMO_CONFIG
+from backends.deploy.repository import ENSEMBLE, Deployment, model_configs
+from backends.preprocess import Preprocessor
+from backends.weights.demo import demo_model
+from bench.perf import output_byte_sizes, request_images
+from clients.kimi_client import chat_prompt_ids
+
+
+def test_sizes_equal_the_outputs_of_the_cpu_pipeline():
+    images = request_images("sample")
+    ids = chat_prompt_ids(len(images))
+    sizes = output_byte_sizes(Deployment(), ids, images)
+    assert set(sizes) == {o.name for o in model_configs(Deployment())[ENSEMBLE].output}
+    pixels, grids, _ = Preprocessor(DEMO_CONFIG.media)(images)
+    with torch.no_grad():
+        embeds = demo_model(DEMO_CONFIG.encoder)(pixels, grids)
+    assert sizes["IMAGE_EMBEDS"] == embeds.numel() * 4 == 502 * 256 * 4  # README: (502, 256) float32
+    assert sizes["GRID_THWS"] == grids.astype(np.int64).nbytes
+    assert sizes["IMAGE_TOKEN_COUNTS"] == len(images) * 8
+    assert sizes["EXPANDED_IDS"] == (len(ids) - len(images) + embeds.shape[0]) * 8
+
+
+@pytest.mark.parametrize("text_hidden", [7168, 4096])
+def test_embedding_size_follows_the_checkpoint_config_and_the_device_dtype(tmp_path, text_hidden):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": text_hidden}}))
+    images = request_images("1024")  # not resized, padded to 1036^2: 74^2 patches, 37^2 tokens after the 2x2 merge
+    ids = chat_prompt_ids(1)
+    gpu = output_byte_sizes(Deployment(device="gpu", checkpoint=str(tmp_path)), ids, images)
+    cpu = output_byte_sizes(Deployment(device="cpu", checkpoint=str(tmp_path)), ids, images)
+    assert gpu["IMAGE_EMBEDS"] == 37 * 37 * text_hidden * 2  # 1369 x 7168 BF16 = 19.6 MB, as on the H200
+    assert cpu["IMAGE_EMBEDS"] == 2 * gpu["IMAGE_EMBEDS"]
+    assert max(gpu.values()) == gpu["IMAGE_EMBEDS"]
