@@ -109,6 +109,10 @@ class KimiVisionClient:
 
     def _output(self, result, name: str) -> np.ndarray:
         array = result.as_numpy(name)
+        if array.dtype.name == "bfloat16":
+            # tritonclient returns BF16 as ml_dtypes.bfloat16, which torch.from_numpy and much else
+            # refuse; widen exactly to float32, as the shared-memory paths do.
+            array = array.astype(np.float32)
         return array[0] if self.batched else array
 
     def _inputs(self, ids, blobs):

@@ -124,11 +124,12 @@ PORTABLE_ARITH = {"cpu": 0, "cuda": 1}
 
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope, block_t: int = 4,
                        arith: int | None = None, max_chunks: int = 3,
-                       num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                       num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1).
 
-    Defaults from the H200 sweep in bench/encoder_bench.py (27 x 12544 tokens x 16 x 72): 4 tokens per
-    program was fastest of 4..32 (1.42x the HBM floor; 16 tokens: 3.46x)."""
+    Defaults from the H200 sweep in bench/encoder_bench.py (27 x 12544 tokens x 16 x 72, kernels timed
+    as a CUDA graph): 4 tokens per program, 3 chunks of 64 pairs looped per program, 2 warps: 0.908 ms,
+    1.18x the HBM floor (16 tokens, 4 warps: 3.51x); bench/results/h200-2026-11-30/encoder_bench.md."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     L, H, D = q.shape
