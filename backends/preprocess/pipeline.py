@@ -8,11 +8,18 @@ to that size (reference doc §1.7), giving grid (t, h, w) and h*w/4 tokens.
 
 On CPU the resize is Pillow itself (the reference). On a GPU the decoded uint8 frame is uploaded
 and resized by `bicubic.resize_bicubic`, which equals Pillow bit for bit.
+
+Decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead of
+the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
+request decodes in parallel, and the values cannot change (each frame is decoded on its own).
 """
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,8 +101,15 @@ def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
     return img.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
+# Host decode threads, shared by every Preprocessor in the process, and frames decoded ahead.
+DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1)))
+DECODE_AHEAD = DECODE_THREADS
+
+
 class Preprocessor:
     """Stateful only in its normalization table (built once, kept on the target device)."""
+
+    _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, media: MediaConfig, limits: Limits = Limits(), device: str | torch.device = "cpu",
                  out_dtype: torch.dtype = torch.float32, resize: str | None = None):
@@ -112,22 +126,54 @@ class Preprocessor:
     def plan(self, blobs: Sequence[bytes], media_frames=None) -> list[MediaPlan]:
         return plan_media(blobs, self.media, self.limits, media_frames)
 
-    def frame(self, blob: bytes, index: int, plan: ResizePlan) -> torch.Tensor:
-        """One decoded, resized frame: (h, w, 3) uint8 on the target device."""
+    def host_frame(self, blob: bytes, index: int, plan: ResizePlan) -> np.ndarray:
+        """The host part of a frame (thread-safe; Pillow drops the GIL): decoded, and on the Pillow
+        path resized, as an (h, w, 3) uint8 array."""
         img = decode_rgb(blob, index, max_pixels=self.limits.max_image_pixels)
         if self.resize == "pillow":
-            return torch.from_numpy(np.array(resize_pillow(img, plan.width, plan.height))).to(self.device)
-        pixels = torch.from_numpy(np.array(img))
+            img = resize_pillow(img, plan.width, plan.height)
+        return np.array(img)  # a writable copy: torch.from_numpy wants one
+
+    def device_frame(self, array: np.ndarray, plan: ResizePlan) -> torch.Tensor:
+        """The rest: (h, w, 3) uint8 on the target device, resized."""
+        pixels = torch.from_numpy(array)
+        if self.resize == "pillow":
+            return pixels.to(self.device)
         if self.device.type == "cuda":
             pixels = pixels.pin_memory().to(self.device, non_blocking=True)
         return resize_bicubic(pixels, plan.width, plan.height)
 
+    def frame(self, blob: bytes, index: int, plan: ResizePlan) -> torch.Tensor:
+        """One decoded, resized frame: (h, w, 3) uint8 on the target device."""
+        return self.device_frame(self.host_frame(blob, index, plan), plan)
+
+    def _frames(self, blobs: Sequence[bytes], plans: list[MediaPlan]):
+        """Every frame of every media in order, host work done up to DECODE_AHEAD frames ahead."""
+        jobs = [(i, m.plan) for m in plans for i in m.frames]
+        if len(jobs) <= 1:
+            yield from (self.frame(blobs[i], i, plan) for i, plan in jobs)
+            return
+        if Preprocessor._pool is None:
+            Preprocessor._pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="kimi-decode")
+        pending: deque = deque()
+        try:
+            for n, (i, plan) in enumerate(jobs):
+                # Bounded: at most DECODE_AHEAD decoded frames wait in memory.
+                while len(pending) < DECODE_AHEAD and n + len(pending) < len(jobs):
+                    j, p = jobs[n + len(pending)]
+                    pending.append(Preprocessor._pool.submit(self.host_frame, blobs[j], j, p))
+                yield self.device_frame(pending.popleft().result(), plan)
+        finally:
+            for f in pending:  # a failed frame: do not decode the rest
+                f.cancel()
+
     def __call__(self, blobs: Sequence[bytes], media_frames=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans."""
         plans = self.plan(blobs, media_frames)
+        frames_in_order = self._frames(blobs, plans)
         chunks = []
         for m in plans:
-            frames = [self.frame(blobs[i], i, m.plan) for i in m.frames]
+            frames = [next(frames_in_order) for _ in m.frames]
             pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
             if fused_patchify.can_use(pixels):  # one kernel on the GPU, same values as the torch reference
                 chunks.append(fused_patchify.normalize_patchify(pixels, m.plan, self.table, self.out_dtype))

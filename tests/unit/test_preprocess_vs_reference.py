@@ -168,3 +168,16 @@ def test_torch_resize_path_equals_the_pillow_path():
     b, gb, _ = Preprocessor(MEDIA, resize="torch")(blobs, media_frames=[0, 0, 2])
     assert ga.tolist() == gb.tolist()
     assert torch.equal(a, b)
+
+
+def test_a_frame_that_fails_to_decode_among_parallel_decodes_names_itself():
+    # Decoding runs on threads ahead of the upload: the error must still be the failing frame's own,
+    # and the shared decode pool must serve the next request normally.
+    good = [encode(photo_like(120, 90, seed=s), "JPEG") for s in range(4)]
+    full = encode(photo_like(640, 480, seed=9), "JPEG")
+    cut = full[: len(full) // 2]  # header intact (the plan reads it), body truncated
+    with pytest.raises(RequestError, match=r"image 2: decoding failed"):
+        Preprocessor(MEDIA)(good[:2] + [cut] + good[2:])
+    pv, grids, _ = Preprocessor(MEDIA)(good)
+    refs = [reference_processor(b) for b in good]
+    np.testing.assert_array_equal(pv.numpy(), np.concatenate([r for r, _ in refs]))
