@@ -13,6 +13,7 @@ numpy and `backends` (the stub ignores PYTHONPATH; `prepare_stub_env`).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import os
 import signal
@@ -82,8 +83,10 @@ def stub_paths() -> list[str]:
     """What the stub's Python must see, in order: KIMI_STUB_SITE (e.g. a folder with numpy < 2 on a host
     whose own numpy is 2.x), this repository (for `backends`), our PYTHONPATH (e.g. an optional
     flash-attn install), then our interpreter's site-packages."""
+    # Absolute paths only: site.py reads a relative .pth entry relative to the env's site-packages.
     paths = [os.environ.get("KIMI_STUB_SITE", ""), str(REPO_ROOT)]
-    paths += [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    paths = [str(Path(p).resolve()) for p in paths if p]
     paths += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
     return list(dict.fromkeys(p for p in paths if p))
 
@@ -96,14 +99,21 @@ def prepare_stub_env(dest: Path) -> Path:
     the one way to choose the stub's packages without touching our own environment - which matters
     because the 2.51 stub corrupts tensors under numpy >= 2 (see bench/stub_probe.py).
     """
-    cfg = dest / "pyvenv.cfg"
-    if not cfg.exists():
-        venv.create(dest, with_pip=False, symlinks=True, clear=True)
-    site = dest / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    site.mkdir(parents=True, exist_ok=True)
-    tmp = site / f".kimi_vision.pth.{os.getpid()}"
-    tmp.write_text("\n".join(stub_paths()) + "\n")
-    tmp.replace(site / "kimi_vision.pth")  # atomic: servers may start side by side
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Servers may start side by side (several processes): one at a time builds or updates the env, so
+    # that none sees a half-made one (venv writes pyvenv.cfg before bin/python3) or has it cleared
+    # under it. An env made by another interpreter (a Python upgrade) is rebuilt.
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cfg = dest / "pyvenv.cfg"
+        current = cfg.exists() and ("version = %d.%d.%d" % sys.version_info[:3]) in cfg.read_text().splitlines()
+        if not (current and (dest / "bin" / "python3").exists()):
+            venv.create(dest, with_pip=False, symlinks=True, clear=True)
+        site = dest / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        site.mkdir(parents=True, exist_ok=True)
+        tmp = site / f".kimi_vision.pth.{os.getpid()}"
+        tmp.write_text("\n".join(stub_paths()) + "\n")
+        tmp.replace(site / "kimi_vision.pth")  # a stub starting now reads the old file or the new one
     return dest / "bin"
 
 

@@ -50,3 +50,22 @@ def test_server_start_refuses_a_numpy_2_stub(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="numpy 2.1.0"):
         srv.start()
     assert srv.proc is None  # nothing was started
+
+
+def test_a_half_made_stub_env_is_rebuilt(tmp_path, monkeypatch):
+    # venv writes pyvenv.cfg before bin/python3: a start interrupted (or raced) in between must not stick.
+    monkeypatch.delenv("KIMI_STUB_SITE", raising=False)
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "pyvenv.cfg").write_text("home = /nowhere\n")
+    bin_dir = server.prepare_stub_env(env)
+    assert (bin_dir / "python3").exists()
+    server.stub_numpy_version(bin_dir)
+
+
+def test_a_relative_kimi_stub_site_is_made_absolute(tmp_path, monkeypatch):
+    # site.py would read a relative .pth entry relative to the env's site-packages, not our directory.
+    _fake_numpy(tmp_path / "site", "1.98.0")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KIMI_STUB_SITE", "site")
+    assert server.stub_numpy_version(server.prepare_stub_env(tmp_path / "env")) == "1.98.0"
