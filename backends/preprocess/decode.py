@@ -7,6 +7,7 @@ No EXIF transpose, alpha dropped without compositing, palette/L/CMYK/16-bit conv
 from __future__ import annotations
 
 import io
+import threading
 import warnings
 
 from PIL import Image
@@ -14,23 +15,27 @@ from PIL import Image
 from backends.errors import RequestError
 
 _PILLOW_DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS
+_BOMB_GUARD = threading.Lock()
 
 
 def _open(data: bytes, index: int, max_pixels: int) -> Image.Image:
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise RequestError(f"image {index}: empty or missing image bytes")
     # Pillow's own bomb guard stays on, set to our limit, so that it refuses a bomb from the header
-    # (before any pixel is decoded) and the error names our limit. (Each Triton instance is its own
-    # process and runs one request at a time, so the module-level setting is not raced.)
-    Image.MAX_IMAGE_PIXELS = max_pixels
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(bytes(data)))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise RequestError(f"image {index}: more pixels than the limit max_image_pixels={max_pixels}") from None
-    except Exception as exc:  # Pillow raises many types for garbage input
-        raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})") from None
+    # (before any pixel is decoded) and the error names our limit. The guard and the warnings filters
+    # are process-wide and frames are decoded on several threads (pipeline.Preprocessor), possibly
+    # for Preprocessors with different limits: set and use them under a lock. Image.open reads only
+    # the header, so the lock is held briefly; the decode itself (decode_rgb) runs outside it.
+    with _BOMB_GUARD:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(bytes(data)))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise RequestError(f"image {index}: more pixels than the limit max_image_pixels={max_pixels}") from None
+        except Exception as exc:  # Pillow raises many types for garbage input
+            raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})") from None
     w, h = img.size
     if w * h > max_pixels:
         raise RequestError(f"image {index}: {w}x{h} = {w * h} pixels exceeds the limit max_image_pixels={max_pixels}")

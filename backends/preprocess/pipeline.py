@@ -16,7 +16,9 @@ request decodes in parallel, and the values cannot change (each frame is decoded
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +106,7 @@ def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
 # Host decode threads, shared by every Preprocessor in the process, and frames decoded ahead.
 DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1)))
 DECODE_AHEAD = DECODE_THREADS
+_POOL_LOCK = threading.Lock()
 
 
 class Preprocessor:
@@ -153,8 +156,9 @@ class Preprocessor:
         if len(jobs) <= 1:
             yield from (self.frame(blobs[i], i, plan) for i, plan in jobs)
             return
-        if Preprocessor._pool is None:
-            Preprocessor._pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="kimi-decode")
+        with _POOL_LOCK:  # concurrent first calls must not each start a pool (idle threads never exit)
+            if Preprocessor._pool is None:
+                Preprocessor._pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="kimi-decode")
         pending: deque = deque()
         try:
             for n, (i, plan) in enumerate(jobs):
@@ -170,15 +174,17 @@ class Preprocessor:
     def __call__(self, blobs: Sequence[bytes], media_frames=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans."""
         plans = self.plan(blobs, media_frames)
-        frames_in_order = self._frames(blobs, plans)
         chunks = []
-        for m in plans:
-            frames = [next(frames_in_order) for _ in m.frames]
-            pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
-            if fused_patchify.can_use(pixels):  # one kernel on the GPU, same values as the torch reference
-                chunks.append(fused_patchify.normalize_patchify(pixels, m.plan, self.table, self.out_dtype))
-            else:
-                chunks.append(pad_normalize_patchify(pixels, m.plan, self.table, self.out_dtype))
+        # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
+        # garbage collection (the traceback keeps this frame, and so the generator, alive).
+        with contextlib.closing(self._frames(blobs, plans)) as frames_in_order:
+            for m in plans:
+                frames = [next(frames_in_order) for _ in m.frames]
+                pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
+                if fused_patchify.can_use(pixels):  # one kernel on the GPU, same values as the torch reference
+                    chunks.append(fused_patchify.normalize_patchify(pixels, m.plan, self.table, self.out_dtype))
+                else:
+                    chunks.append(pad_normalize_patchify(pixels, m.plan, self.table, self.out_dtype))
         p = self.media.patch_size
         pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
         grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
