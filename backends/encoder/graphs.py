@@ -17,6 +17,7 @@ table it reads (TensorCache, hold_tables_for_graph), so an eviction cannot free 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,6 +25,8 @@ import torch
 
 from backends.encoder.cache import hold_tables_for_graph
 from backends.encoder.metadata import ForwardMetadata, as_grid_list
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +48,9 @@ class GraphedEncoder:
         self.max_graphs = max_graphs
         self.max_patches = max_patches
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.seen: OrderedDict[tuple, None] = OrderedDict()  # lists seen once (bounded like graphs)
+        # Grid lists seen before (bounded like graphs): True = capture on the next sighting without
+        # a graph, False = their capture failed, stay eager.
+        self.seen: OrderedDict[tuple, bool] = OrderedDict()
         self.pool = None
         self.captures = 0
         self.replays = 0
@@ -55,17 +60,28 @@ class GraphedEncoder:
 
     def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         grids = as_grid_list(grid_thws)
-        if not self.applies(pixel_values.shape[0]):
+        # A pixel count that does not match the grids goes to the model, which says so.
+        if not self.applies(pixel_values.shape[0]) or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
             return self.model(pixel_values, grids)
         key = tuple(grids)
         captured = self.graphs.get(key)
         if captured is None:
             if key not in self.seen:
-                self.seen[key] = None
+                self.seen[key] = True  # may be captured next time
                 while len(self.seen) > 4 * self.max_graphs:
                     self.seen.popitem(last=False)
                 return self.model(pixel_values, grids)
-            captured = self._capture(pixel_values, grids)
+            if not self.seen[key]:  # its capture failed: eager, without retrying on every request
+                return self.model(pixel_values, grids)
+            try:
+                captured = self._capture(pixel_values, grids)
+            except Exception:  # noqa: BLE001 - e.g. out of memory in the graph pool; eager still works
+                log.exception("CUDA graph capture failed for grids %s; running them eagerly", grids)
+                self.seen[key] = False
+                return self.model(pixel_values, grids)
+        if pixel_values.shape != captured.pixels.shape:  # copy_ would broadcast silently
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}, the graph for these grids "
+                             f"takes {tuple(captured.pixels.shape)}")
         self.graphs.move_to_end(key)
         captured.pixels.copy_(pixel_values)
         captured.graph.replay()

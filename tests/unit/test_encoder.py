@@ -150,3 +150,55 @@ def test_graphed_encoder_runs_eagerly_off_cuda():
 def test_encoder_step_uses_graphs_only_on_cuda_when_asked():
     model = demo_model(CFG)
     assert EncoderStep(model, 14, 4, cuda_graphs=8).forward is model  # CPU: eager whatever the setting
+
+
+class _CudaLookingModel:
+    """Claims a CUDA device so that GraphedEncoder tries graphs; computes on the CPU."""
+
+    device = torch.device("cuda")
+    dtype = torch.float32
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, pixel_values, grids):
+        self.calls += 1
+        if pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+            raise ValueError("pixel count does not match the grids")
+        return pixel_values.flatten(1).sum(1, keepdim=True)
+
+
+def test_a_failed_graph_capture_runs_eagerly_and_is_not_retried(monkeypatch):
+    from backends.encoder.graphs import GraphedEncoder
+
+    model = _CudaLookingModel()
+    graphed = GraphedEncoder(model)
+    attempts = []
+
+    def failing_capture(pixel_values, grids):
+        attempts.append(grids)
+        raise RuntimeError("out of memory in the graph pool")
+
+    monkeypatch.setattr(graphed, "_capture", failing_capture)
+    grids = [(1, 4, 6)]
+    x = torch.randn(24, 3, 14, 14)
+    for _ in range(4):
+        assert torch.equal(graphed(x, grids), model(x, grids))
+    assert len(attempts) == 1 and graphed.replays == 0
+
+
+def test_a_graphed_call_with_the_wrong_pixel_count_fails_like_the_model():
+    # A graph exists for these grids; one patch must not be broadcast into its 24-patch static input.
+    from types import SimpleNamespace
+
+    from backends.encoder.graphs import GraphedEncoder, _Captured
+
+    graphed = GraphedEncoder(_CudaLookingModel())
+    grids = [(1, 4, 6)]
+    graph = SimpleNamespace(replay=lambda: None)
+    graphed.graphs[tuple(grids)] = _Captured(graph, torch.zeros(24, 3, 14, 14), torch.zeros(24, 1), None, [])
+    with pytest.raises(ValueError, match="pixel count"):
+        graphed(torch.randn(1, 3, 14, 14), grids)
+    with pytest.raises(ValueError, match="the graph for these grids takes"):
+        graphed(torch.randn(24, 1, 14, 14), grids)
+    assert graphed.replays == 0
