@@ -2,7 +2,8 @@
 8x448^2 JPEGs (quality 90), median and min of N wall-clock runs after two warm-ups:
 
 (a) ours through tritonserver (GPU deployment of --checkpoint) over gRPC: the embeddings come back
-    in the gRPC response (BF16, widened to a float32 numpy array by tritonclient);
+    in the gRPC response (BF16; tritonclient returns ml_dtypes.bfloat16, KimiVisionClient widens it
+    to a float32 numpy array);
 (b) the same server, IMAGE_EMBEDS written into client CUDA shared memory by
     `KimiVisionClient.infer(..., shm="cuda")`, which creates and registers a region per call and
     also copies the embeddings to a host float32 array;
@@ -52,7 +53,7 @@ IMPLEMENTATIONS = {
     "grpc": ("(a) ours, tritonserver, gRPC", "host float32 array",
              "gRPC request (ids + JPEG bytes) over loopback; server: 1:1 check and resize plan, Pillow decode, "
              "GPU resize + normalize/patchify, MoonViT3d + projector (BF16); the BF16 embeddings back in the "
-             "gRPC response, widened to float32 by tritonclient"),
+             "gRPC response, widened to float32 by KimiVisionClient"),
     "cuda_shm_per_call": ("(b) ours, tritonserver, CUDA shm (KimiVisionClient, region per call)",
                           "client GPU buffer + host float32 copy",
                           "as (a), but the server writes IMAGE_EMBEDS into a CUDA buffer of the client: "

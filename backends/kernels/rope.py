@@ -102,15 +102,16 @@ if triton is not None:
         tl.store(ptrs, tl.join(re, im).to(ptrs.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> dict:
-    """Tile sizes for a token's `num_pairs` pairs: the largest power of two dividing it (no masking;
-    576 = 64 x 9 for 16 heads x 72), else a masked power of two; chunks looped per program."""
+def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> tuple[dict, int]:
+    """(kernel tile constants, programs per token tile) for a token's `num_pairs` pairs: the largest
+    power of two dividing it (no masking; 576 = 64 x 9 for 16 heads x 72), else a masked power of
+    two; chunks looped per program."""
     block_p = min(num_pairs & -num_pairs, 128)
     mask_p = block_p < 16
     if mask_p:
         block_p = min(triton.next_power_of_2(num_pairs), 128)
     n_chunks = triton.cdiv(num_pairs, block_p)
-    # Loop over up to 3 chunks per program (the rotation row stays in L1); the rest go to the grid.
+    # Loop over up to max_chunks chunks per program (the rotation row stays in L1); the rest go to the grid.
     chunks = next(c for c in range(max_chunks, 0, -1) if n_chunks % c == 0)
     return dict(BLOCK_T=block_t, BLOCK_P=block_p, CHUNKS=chunks, MASK_P=mask_p), n_chunks // chunks
 
