@@ -78,7 +78,7 @@ if triton is not None:
                 q_off = tok * q_stride_t + 2 * p + j
                 k_off = tok * k_stride_t + 2 * p + j
             else:
-                head = p // half
+                head = (p // half).to(tl.int64)  # head * stride_h passes 2^31 for head-major q of ~2M tokens
                 elem = 2 * (p % half) + j
                 q_off = tok * q_stride_t + head * q_stride_h + elem
                 k_off = tok * k_stride_t + head * k_stride_h + elem
