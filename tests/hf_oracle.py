@@ -72,13 +72,17 @@ def load_ours(model, device="cpu", dtype=None):
 
 def hf_config_from(enc, attn: str = "sdpa"):
     """`hf_config` for one of our EncoderConfigs (a checkpoint's), refusing what `hf_config` cannot say."""
+    # What hf_config leaves at transformers' defaults (RoPE theta 10000, norm eps 1e-5) must match too,
+    # or the reference would silently run a different model.
     fixed = {"patch_size": (enc.patch_size, 14), "merge_kernel_size": (tuple(enc.merge_kernel_size), (2, 2)),
              "init_pos_emb_time": (enc.init_pos_emb_time, 4),
-             "init_pos_emb_width": (enc.init_pos_emb_width, enc.init_pos_emb_height)}
+             "init_pos_emb_width": (enc.init_pos_emb_width, enc.init_pos_emb_height),
+             "rope_theta": (enc.rope_theta, 10000.0), "layer_norm_eps": (enc.layer_norm_eps, 1e-5),
+             "projector_ln_eps": (enc.projector_ln_eps, 1e-5)}
     wrong = {k: got for k, (got, want) in fixed.items() if got != want}
     if wrong:
-        raise ValueError(f"hf_config builds patch 14, merge 2x2, pos-emb time 4 and a square pos-emb grid; "
-                         f"this encoder has {wrong}")
+        raise ValueError(f"hf_config builds patch 14, merge 2x2, pos-emb time 4, a square pos-emb grid, RoPE "
+                         f"theta 10000 and norm eps 1e-5; this encoder has {wrong}")
     return hf_config(hidden=enc.hidden_size, layers=enc.num_layers, heads=enc.num_heads,
                      intermediate=enc.intermediate_size, pos_emb=enc.init_pos_emb_height,
                      text_hidden=enc.text_hidden_size, attn=attn)
@@ -97,7 +101,7 @@ def load_checkpoint_into_hf(model, checkpoint_dir) -> None:
 
     Our loader's name mapping is run backwards: each of transformers' parameters is named the way our
     loader would name it, and q/k/v are cut from our fused `wqkv` (q and k re-permuted for
-    rotate-half RoPE). Every checkpoint tensor must be used exactly once, with the parameter's shape.
+    rotate-half RoPE). Every checkpoint tensor must be used (wqkv three times), with the parameter's shape.
     """
     from backends.weights.loader import VISION_PREFIXES, canonical_name, detect_block_naming, read_vision_tensors, to_canonical
 

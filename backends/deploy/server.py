@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import importlib.util
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,7 +31,7 @@ from pathlib import Path
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 
 BUILD = REPO_ROOT / "build"
-STUB_ENV = BUILD / "stub-env"  # the stub's virtualenv (prepare_stub_env)
+STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (prepare_stub_env)
 
 
 def gpu_count() -> int:
@@ -91,29 +93,32 @@ def stub_paths() -> list[str]:
     return list(dict.fromkeys(p for p in paths if p))
 
 
-def prepare_stub_env(dest: Path) -> Path:
+def prepare_stub_env(root: Path) -> Path:
     """A bare virtualenv whose site-packages holds one .pth file listing `stub_paths()`; returns its bin/.
 
     Why: the stub runs its embedded Python with -E (PYTHONPATH is ignored, seen on 2.51) and takes
     sys.prefix, hence site-packages, from the `python3` first on PATH. Putting this env's bin/ first is
     the one way to choose the stub's packages without touching our own environment - which matters
     because the 2.51 stub corrupts tensors under numpy >= 2 (see bench/stub_probe.py).
+
+    One env per distinct path list (root/<hash>): servers started with different KIMI_STUB_SITE or
+    PYTHONPATH never rewrite each other's .pth while their stubs are still starting.
     """
+    paths = stub_paths()
+    dest = root / hashlib.sha1("\n".join(paths).encode()).hexdigest()[:12]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    # Servers may start side by side (several processes): one at a time builds or updates the env, so
-    # that none sees a half-made one (venv writes pyvenv.cfg before bin/python3) or has it cleared
-    # under it. An env made by another interpreter (a Python upgrade) is rebuilt.
+    # Servers may start side by side (several processes): one at a time builds the env, so that none
+    # sees a half-made one (venv writes pyvenv.cfg before bin/python3) or has it cleared under it. An
+    # env made by another interpreter (a Python upgrade) is rebuilt.
     with open(dest.parent / f".{dest.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cfg = dest / "pyvenv.cfg"
-        current = cfg.exists() and ("version = %d.%d.%d" % sys.version_info[:3]) in cfg.read_text().splitlines()
-        if not (current and (dest / "bin" / "python3").exists()):
-            venv.create(dest, with_pip=False, symlinks=True, clear=True)
         site = dest / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-        site.mkdir(parents=True, exist_ok=True)
-        tmp = site / f".kimi_vision.pth.{os.getpid()}"
-        tmp.write_text("\n".join(stub_paths()) + "\n")
-        tmp.replace(site / "kimi_vision.pth")  # a stub starting now reads the old file or the new one
+        current = cfg.exists() and ("version = %d.%d.%d" % sys.version_info[:3]) in cfg.read_text().splitlines()
+        if not (current and (dest / "bin" / "python3").exists() and (site / "kimi_vision.pth").exists()):
+            venv.create(dest, with_pip=False, symlinks=True, clear=True)
+            site.mkdir(parents=True, exist_ok=True)
+            (site / "kimi_vision.pth").write_text("\n".join(paths) + "\n")
     return dest / "bin"
 
 
@@ -140,11 +145,12 @@ def check_stub_numpy(version: str) -> None:
             f"folder holding numpy<2 in KIMI_STUB_SITE (pip install --target DIR 'numpy<2').")
 
 
-def server_env() -> dict[str, str]:
+def server_env(stub_bin: Path) -> dict[str, str]:
+    """The server's environment, with `stub_bin` (prepare_stub_env) first on PATH for its stubs."""
     env = dict(os.environ)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(pytriton_libs()), env.get("LD_LIBRARY_PATH", "")) if p)
-    env["PATH"] = os.pathsep.join((str(prepare_stub_env(STUB_ENV)), env.get("PATH", "")))
+    env["PATH"] = os.pathsep.join((str(stub_bin), env.get("PATH", "")))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -190,12 +196,13 @@ class TritonServer:
             # GPU instances go on every visible GPU, so every GPU gets the pool.
             cmd += [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_bytes}" for gpu in range(max(1, gpu_count()))]
         # Operator flags for every server we start (e.g. pool sizes), space-separated.
-        return cmd + os.environ.get("KIMI_TRITONSERVER_ARGS", "").split() + list(self.extra_args)
+        return cmd + shlex.split(os.environ.get("KIMI_TRITONSERVER_ARGS", "")) + list(self.extra_args)
 
     def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = server_env()
-        check_stub_numpy(stub_numpy_version(STUB_ENV / "bin"))
+        stub_bin = prepare_stub_env(STUB_ENV)
+        check_stub_numpy(stub_numpy_version(stub_bin))
+        env = server_env(stub_bin)
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         else:
@@ -283,8 +290,9 @@ def main(argv=None) -> int:
                                http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
     print(f"rendered {device} repository at {server.repository}; starting tritonserver (HTTP {args.http_port}, "
           f"gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
-    env = server_env()
-    check_stub_numpy(stub_numpy_version(STUB_ENV / "bin"))
+    stub_bin = prepare_stub_env(STUB_ENV)
+    check_stub_numpy(stub_numpy_version(stub_bin))
+    env = server_env(stub_bin)
     proc = subprocess.Popen(server.command(), env=env)
     try:
         return proc.wait()

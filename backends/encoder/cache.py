@@ -4,6 +4,7 @@ gigabytes (a 128x128-grid position table is 75 MB in fp32)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from contextlib import contextmanager
@@ -12,18 +13,25 @@ import torch
 
 # Tables handed out while a CUDA graph is captured: the graph reads them at their address on every
 # replay, so the graph must hold them even after the cache evicts them (see hold_tables_for_graph).
-_graph_holds: list[list[torch.Tensor]] = []
+# Per thread: a capture collects what its own forward asks for.
+_local = threading.local()
+
+
+def _graph_holds() -> list[list[torch.Tensor]]:
+    if not hasattr(_local, "holds"):
+        _local.holds = []
+    return _local.holds
 
 
 @contextmanager
 def hold_tables_for_graph():
     """Collects every table any TensorCache hands out inside the block; keep the list with the graph."""
     held: list[torch.Tensor] = []
-    _graph_holds.append(held)
+    _graph_holds().append(held)
     try:
         yield held
     finally:
-        _graph_holds.pop()
+        _graph_holds().pop()
 
 
 class TensorCache:
@@ -38,8 +46,9 @@ class TensorCache:
             self._items.move_to_end(key)
         else:
             table = self._make(key, make)
-        if _graph_holds:
-            _graph_holds[-1].append(table)
+        holds = _graph_holds()
+        if holds:
+            holds[-1].append(table)
         return table
 
     def _make(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:

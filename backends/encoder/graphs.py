@@ -58,6 +58,7 @@ class GraphedEncoder:
     def applies(self, num_patches: int) -> bool:
         return self.model.device.type == "cuda" and 0 < num_patches <= self.max_patches
 
+    @torch.inference_mode()  # as the model's forward: the static input is captured as an inference tensor
     def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         grids = as_grid_list(grid_thws)
         # A pixel count that does not match the grids goes to the model, which says so.

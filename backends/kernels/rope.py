@@ -140,6 +140,9 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
         raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a unit stride in the head dimension")
+    cs = prepared.cos_sin
+    if cs.device != q.device or cs.dtype != torch.float32 or not cs.is_contiguous():
+        raise ValueError(f"the rotation table must be contiguous float32 on {q.device}, got {cs.dtype} on {cs.device}")
     if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
         raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
                          f"q is {L} x {D}")

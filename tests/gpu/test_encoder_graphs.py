@@ -44,18 +44,37 @@ def test_replays_equal_eager_for_each_grid_list_and_fresh_inputs(model):
 
 
 def test_evicted_graphs_and_tables_stay_correct(model):
+    """Graph evictions (max_graphs=1), and cached tables a graph read at capture that the cache later
+    evicts: their memory is then handed out again and scribbled over; replays must not notice."""
     graphed = GraphedEncoder(model, max_graphs=1)
-    pos_cache = model.vision_tower.patch_embed.pos_emb._resized
-    old_limit = pos_cache.max_bytes
-    pos_cache.max_bytes = 1  # every resized position table is dropped from the cache at once
+    pos = model.vision_tower.patch_embed.pos_emb
+    cache = pos._resized
+    one_table = pos.grid(32, 32).numel() * pos.weight.element_size()
+    old_limit = cache.max_bytes
+    cache.max_bytes = one_table  # room for one resized position table: each new grid evicts the other
     try:
         for seed in range(8):
             grids = GRID_LISTS[seed % 2]
             x = pixels(grids, 100 + seed)
+            scribble = [torch.full((one_table // 2,), 7.0, dtype=torch.bfloat16, device=DEV) for _ in range(4)]
             assert torch.equal(graphed(x, grids), model(x, grids)), (seed, grids)
+            del scribble
         assert graphed.captures >= 2 and len(graphed.graphs) == 1
     finally:
-        pos_cache.max_bytes = old_limit
+        cache.max_bytes = old_limit
+
+    held = GraphedEncoder(model)  # both graphs kept; their tables evicted from the cache in turn
+    cache.max_bytes = one_table
+    try:
+        for seed in range(6):
+            grids = GRID_LISTS[seed % 2]
+            x = pixels(grids, 200 + seed)
+            assert torch.equal(held(x, grids), model(x, grids)), (seed, grids)
+            scribble = [torch.full((one_table // 2,), -3.0, dtype=torch.bfloat16, device=DEV) for _ in range(4)]
+            del scribble
+        assert held.captures == 2 and held.replays == 4  # seen, seen, captured + replayed, then replayed
+    finally:
+        cache.max_bytes = old_limit
 
 
 def test_large_batches_and_empty_input_run_eagerly(model):

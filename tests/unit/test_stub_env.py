@@ -55,12 +55,21 @@ def test_server_start_refuses_a_numpy_2_stub(tmp_path, monkeypatch):
 def test_a_half_made_stub_env_is_rebuilt(tmp_path, monkeypatch):
     # venv writes pyvenv.cfg before bin/python3: a start interrupted (or raced) in between must not stick.
     monkeypatch.delenv("KIMI_STUB_SITE", raising=False)
-    env = tmp_path / "env"
-    env.mkdir()
-    (env / "pyvenv.cfg").write_text("home = /nowhere\n")
-    bin_dir = server.prepare_stub_env(env)
-    assert (bin_dir / "python3").exists()
+    env = server.prepare_stub_env(tmp_path / "envs").parent
+    (env / "bin" / "python3").unlink()
+    bin_dir = server.prepare_stub_env(tmp_path / "envs")
+    assert bin_dir.parent == env and (bin_dir / "python3").exists()
     server.stub_numpy_version(bin_dir)
+
+
+def test_servers_with_different_stub_paths_get_different_envs(tmp_path, monkeypatch):
+    # A server's stubs read the .pth while their models load: another server must not rewrite it then.
+    monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "a", "1.97.0")))
+    first = server.prepare_stub_env(tmp_path / "envs")
+    monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "b", "1.96.0")))
+    second = server.prepare_stub_env(tmp_path / "envs")
+    assert first != second
+    assert server.stub_numpy_version(first) == "1.97.0" and server.stub_numpy_version(second) == "1.96.0"
 
 
 def test_a_relative_kimi_stub_site_is_made_absolute(tmp_path, monkeypatch):

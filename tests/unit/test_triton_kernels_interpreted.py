@@ -116,3 +116,10 @@ def test_rejects_fp32_and_mismatched_tables():
     with pytest.raises(ValueError, match="rotation table is for 4 tokens"):
         apply_rope_inplace(torch.zeros(5, 2, 72, dtype=torch.bfloat16), torch.zeros(5, 2, 72, dtype=torch.bfloat16),
                            prepare_rope(freqs))
+    from backends.kernels.rope import PreparedRope
+
+    q = torch.zeros(4, 2, 72, dtype=torch.bfloat16)
+    table = prepare_rope(freqs).cos_sin
+    for bad in (table.double(), table.transpose(0, 1).contiguous().transpose(0, 1)):  # float64; strided
+        with pytest.raises(ValueError, match="contiguous float32"):
+            apply_rope_inplace(q, q.clone(), PreparedRope(bad))
