@@ -7,8 +7,9 @@
 (b) the same server, IMAGE_EMBEDS written into client CUDA shared memory by
     `KimiVisionClient.infer(..., shm="cuda")`, which creates and registers a region per call and
     also copies the embeddings to a host float32 array;
-(c) the same server, IMAGE_EMBEDS written into one CUDA region registered once and reused, the
-    embeddings left there (what a co-located LLM process does);
+(c) the same server, IMAGE_EMBEDS written into one CUDA region registered once and reused
+    (`KimiVisionClient.infer_into` with a `CudaOutputRegion`), the embeddings left there (what a
+    co-located LLM process does);
 (d) the reference, in this process: the checkpoint processor's arithmetic on the CPU
     (`bench.preprocess_bench.reference_processor`: Pillow decode + BICUBIC resize, numpy
     pad/normalize/patchify), then transformers' Kimi_K25 vision tower + projector (SDPA, bf16) on the
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import math
-import os
 import statistics
 import time
 import traceback
@@ -43,11 +42,10 @@ from backends.preprocess.resize_rule import navit_resize
 from bench.gpu_timing import machine_line, write_report
 from bench.perf import output_byte_sizes
 from bench.preprocess_bench import reference_processor
-from clients.kimi_client import OUTPUTS, KimiVisionClient, chat_prompt_ids
+from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 
 CASES = {"1x1024^2": [(1024, 1024)], "1x3000^2": [(3000, 3000)], "8x448^2": [(448, 448)] * 8}
-TORCH_DTYPES = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}
 # key: (table label, where the embeddings are when the clock stops, what the end to end contains)
 IMPLEMENTATIONS = {
     "grpc": ("(a) ours, tritonserver, gRPC", "host float32 array",
@@ -83,40 +81,6 @@ def timed(fn, iters: int, warmup: int = 2) -> list[float]:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
-
-
-class RegisteredCudaOutput:
-    """IMAGE_EMBEDS into one CUDA shared-memory region, created and registered with the server once and
-    reused by every request. infer() returns a (tokens, text_hidden) view of the region, valid until
-    the next call."""
-
-    def __init__(self, client: KimiVisionClient, capacity: int, device_id: int = 0):
-        import tritonclient.utils.cuda_shared_memory as cudashm
-
-        self.cudashm, self.client, self.capacity = cudashm, client, capacity
-        self.name = f"kimi_e2e_embeds_{os.getpid()}"
-        self.handle = cudashm.create_shared_memory_region(self.name, capacity, device_id)
-        client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id, capacity)
-        self.region = torch.from_dlpack(cudashm.as_shared_memory_tensor(self.handle, "UINT8", [capacity]))
-
-    def infer(self, input_ids: np.ndarray, images: list[bytes]) -> torch.Tensor:
-        tc = self.client.tc
-        ids = tc.InferInput("INPUT_IDS", [len(input_ids)], "INT64")
-        ids.set_data_from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
-        blobs = tc.InferInput("IMAGES", [len(images)], "BYTES")
-        blobs.set_data_from_numpy(np.array(list(images), dtype=np.object_).reshape(-1))
-        outputs = [tc.InferRequestedOutput(n) for n in OUTPUTS]
-        outputs[OUTPUTS.index("IMAGE_EMBEDS")].set_shared_memory(self.name, self.capacity)
-        result = self.client.client.infer(self.client.model, [ids, blobs], outputs=outputs)
-        meta = result.get_output("IMAGE_EMBEDS")
-        dtype, shape = TORCH_DTYPES[meta.datatype], list(meta.shape)
-        return self.region[: math.prod(shape) * dtype.itemsize].view(dtype).view(*shape)
-
-    def close(self) -> None:
-        try:
-            self.client.client.unregister_cuda_shared_memory(self.name)
-        finally:
-            self.cudashm.destroy_shared_memory_region(self.handle)
 
 
 class Reference:
@@ -183,7 +147,7 @@ def main(argv=None) -> int:
     with server:
         client = KimiVisionClient(server.grpc_url)
         try:
-            registered = RegisteredCudaOutput(client, max(nbytes for *_, nbytes in requests.values()))
+            registered = CudaOutputRegion(client, max(nbytes for *_, nbytes in requests.values()))
         except Exception as exc:  # noqa: BLE001
             registered = None
             notes.append(f"(c) not run: {type(exc).__name__}: {exc}")
@@ -194,7 +158,7 @@ def main(argv=None) -> int:
             paths = {"grpc": lambda: client.infer(ids, blobs).image_embeds,
                      "cuda_shm_per_call": lambda: client.infer(ids, blobs, shm="cuda", output_capacity=nbytes).cuda_embeds}
             if registered:
-                paths["cuda_shm_registered"] = lambda: registered.infer(ids, blobs)
+                paths["cuda_shm_registered"] = lambda: client.infer_into(registered, ids, blobs).cuda_embeds
             if reference:
                 paths["reference"] = lambda: reference(blobs)
             results[case] = {"embeds_shape": list(first.shape), "embeds_bytes": nbytes}
@@ -222,10 +186,10 @@ def main(argv=None) -> int:
             registered.close()
         client.close()
 
-    lines = [f"# End to end: JPEG bytes to image embeddings, tritonserver (GPU deployment) vs in-process reference\n",
+    lines = ["# End to end: JPEG bytes to image embeddings, tritonserver (GPU deployment) vs in-process reference\n",
              f"{machine_line()}\n",
              f"checkpoint {args.checkpoint}; {args.iters} runs per row after 2 warm-ups, wall clock with "
-             f"torch.cuda.synchronize() around each run; client and server on this machine, gRPC over loopback.\n",
+             "torch.cuda.synchronize() around each run; client and server on this machine, gRPC over loopback.\n",
              "| case | implementation | median ms | min ms | speed-up vs (d) | output vs a first (a) call | embeddings end in |",
              "|---|---|---|---|---|---|---|"]
     for case, key, median, low, check in rows:

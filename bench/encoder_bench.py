@@ -70,18 +70,16 @@ def encoder_section(args, peak: float, lines: list, results: dict) -> None:
             t_ref = cuda_time_ms(lambda: hf.get_image_features(pixels, image_grid_thw=grid_t), iters=args.iters)
         results[case] = {"transformers_sdpa_ms": t_ref, "flops": flops}
         rows.append((case, "transformers SDPA", t_ref, flops / (t_ref * 1e-3) / 1e12 / peak, 1.0, 0.0))
-        # Compiled blocks measured no faster than eager on the H200 (encoder_bench.md of 2026-11-30,
-        # first run): no longer repeated.
-        variants = [(b, True, False) for b in backends] + [(backends[0], False, False)]
-        for backend, fused, compiled in variants:
-            ours.compile_blocks(compiled)
+        # Compiled blocks (KimiVisionModel.compile_blocks) measured no faster than eager on the H200
+        # (bench/results/h200-2026-11-30/encoder_bench.md as of commit c9e1420): no longer measured.
+        variants = [(b, True) for b in backends] + [(backends[0], False)]
+        for backend, fused in variants:
             out = ours(pixels, grid_np, attn_backend=backend, fused_rope=fused)
             err = rel_err(out.float(), ref_out.float())
             ms = cuda_time_ms(lambda: ours(pixels, grid_np, attn_backend=backend, fused_rope=fused), iters=args.iters)
-            label = f"ours {backend}" + (" + compiled blocks" if compiled else "") + ("" if fused else " (portable RoPE)")
+            label = f"ours {backend}" + ("" if fused else " (portable RoPE)")
             rows.append((case, label, ms, flops / (ms * 1e-3) / 1e12 / peak, t_ref / ms, err))
             results[case][label] = {"ms": ms, "rel_err_vs_transformers": err}
-        ours.compile_blocks(False)
         # CUDA graphs (what the GPU deployment replays for a grid list seen before), fastest backend.
         graphed = GraphedEncoder(ours)
         for _ in range(2):  # first sighting runs eagerly, the second captures

@@ -6,7 +6,8 @@
 
 Shared memory: `shm="system"` puts the inputs and IMAGE_EMBEDS in a POSIX shared-memory region
 registered with the server (same host); `shm="cuda"` writes IMAGE_EMBEDS straight into a CUDA buffer
-this process owns (the co-located LLM reads it without a host copy) and is available where a GPU is.
+this process owns (the co-located LLM reads it without a host copy) and is available where a GPU is;
+`infer_into(CudaOutputRegion(client, capacity), ...)` keeps one such buffer registered across requests.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ OUTPUTS = ("EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS")
 @dataclass
 class VisionResult:
     expanded_ids: np.ndarray  # (L',) int64
-    image_embeds: np.ndarray  # (tokens, text_hidden) float32 (BF16 outputs are widened to float32)
+    image_embeds: np.ndarray | None  # (tokens, text_hidden) float32 (BF16 widened); None from infer_into
     grid_thws: np.ndarray  # (M, 3) int64
     token_counts: np.ndarray  # (M,) int64
-    cuda_embeds: object = None  # torch tensor on the GPU when shm="cuda"
+    cuda_embeds: object = None  # torch tensor on the GPU with shm="cuda" and from infer_into
 
     def checksum(self) -> str:
         """sha256 prefix over the embeddings' float32 bytes: equal results give equal checksums."""
@@ -90,9 +91,7 @@ class KimiVisionClient:
         real model's 7168; raise it for larger requests). timeout_s applies to gRPC; an HTTP client's
         timeouts are set on tritonclient.http.InferenceServerClient.
         """
-        ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1))
-        blobs = _bytes_tensor(images)
-        frames = None if media_frames is None else np.asarray(media_frames, dtype=np.int64).reshape(-1)
+        ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
         if shm == "none":
             return self._infer_plain(ids, blobs, frames, timeout_s)
         if shm == "system":
@@ -100,6 +99,15 @@ class KimiVisionClient:
         if shm == "cuda":
             return self._infer_cuda_shm(ids, blobs, frames, output_capacity, timeout_s)
         raise ValueError(f"shm must be 'none', 'system' or 'cuda', got {shm!r}")
+
+    def infer_into(self, region: "CudaOutputRegion", input_ids, images: Sequence[bytes], *,
+                   media_frames: Sequence[int] | None = None, timeout_s: float | None = None) -> VisionResult:
+        """One request whose IMAGE_EMBEDS the server writes into `region`, a CUDA buffer registered once
+        (what a co-located LLM does: no allocation, registration or copy per request). The result's
+        `cuda_embeds` is a view into the region, valid until the next request into it; `image_embeds`
+        is None (nothing is copied to the host)."""
+        ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
+        return self._infer_into(region, ids, blobs, frames, timeout_s)
 
     def _shape(self, array: np.ndarray) -> list[int]:
         return ([1] if self.batched else []) + list(array.shape)
@@ -180,40 +188,75 @@ class KimiVisionClient:
                 except Exception:  # noqa: BLE001
                     pass
 
-    def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, device_id: int = 0):
+    def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s):
+        region = CudaOutputRegion(self, capacity)
+        try:
+            result = self._infer_into(region, ids, blobs, frames, timeout_s)
+            embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
+            result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
+            return result
+        finally:
+            region.close()
+
+    def _infer_into(self, region: "CudaOutputRegion", ids, blobs, frames, timeout_s) -> VisionResult:
+        a, b = self._inputs(ids, blobs)
+        a.set_data_from_numpy(self._batch(ids))
+        b.set_data_from_numpy(self._batch(blobs))
+        outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
+        outputs[OUTPUTS.index("IMAGE_EMBEDS")].set_shared_memory(region.name, region.capacity)
+        r = self._call([a, b], frames, outputs, timeout_s)
+        embeds = region.embeds(r)
+        return VisionResult(self._output(r, "EXPANDED_IDS"), None, self._output(r, "GRID_THWS"),
+                            self._output(r, "IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds[0] if self.batched else embeds)
+
+
+class CudaOutputRegion:
+    """A CUDA buffer of this process for IMAGE_EMBEDS, registered with the server (CUDA IPC, same host).
+
+    `KimiVisionClient.infer_into` reuses one across requests; `infer(shm="cuda")` makes one per call.
+    Close it when done: that unregisters it and frees the buffer.
+    """
+
+    def __init__(self, client: KimiVisionClient, capacity: int, device_id: int = 0):
         import torch
         import tritonclient.utils.cuda_shared_memory as cudashm
 
         if not torch.cuda.is_available():
-            raise RuntimeError("shm='cuda' needs a CUDA GPU on the client's host")
-        tag = uuid.uuid4().hex[:12]
-        out_name = f"kimi_cuda_out_{tag}"
-        handle = cudashm.create_shared_memory_region(out_name, capacity, device_id)
+            raise RuntimeError("CUDA shared memory needs a CUDA GPU on the client's host")
+        self.client, self.capacity, self._cudashm = client, capacity, cudashm
+        self.name = f"kimi_cuda_out_{uuid.uuid4().hex[:12]}"
+        self.handle = cudashm.create_shared_memory_region(self.name, capacity, device_id)
         try:
-            self.client.register_cuda_shared_memory(out_name, cudashm.get_raw_handle(handle), device_id, capacity)
-            a, b = self._inputs(ids, blobs)
-            a.set_data_from_numpy(self._batch(ids))
-            b.set_data_from_numpy(self._batch(blobs))
-            outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
-            outputs[1].set_shared_memory(out_name, capacity)
-            r = self._call([a, b], frames, outputs, timeout_s)
-            shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
-            dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}[datatype]
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            # Zero-copy view of the region through DLPack, then one device-to-device copy so the
-            # result outlives the region.
-            region = torch.from_dlpack(cudashm.as_shared_memory_tensor(handle, "UINT8", [capacity]))
-            embeds_gpu = region[:nbytes].view(dtype).view(*shape).clone()
-            if self.batched:
-                embeds_gpu = embeds_gpu[0]
-            return VisionResult(self._output(r, "EXPANDED_IDS"), embeds_gpu.float().cpu().numpy(),
-                                self._output(r, "GRID_THWS"), self._output(r, "IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds_gpu)
-        finally:
-            try:
-                self.client.unregister_cuda_shared_memory(out_name)
-            except Exception:  # noqa: BLE001
-                pass
-            cudashm.destroy_shared_memory_region(handle)
+            client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id,
+                                                      capacity)
+        except Exception:
+            cudashm.destroy_shared_memory_region(self.handle)
+            raise
+        # The whole region as bytes, zero-copy through DLPack.
+        self.bytes = torch.from_dlpack(cudashm.as_shared_memory_tensor(self.handle, "UINT8", [capacity]))
+
+    def embeds(self, result):
+        """IMAGE_EMBEDS of `result` as a torch view into the region (its shape and dtype)."""
+        import torch
+
+        shape, datatype = _output_meta(result, "IMAGE_EMBEDS")
+        dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}[datatype]
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return self.bytes[:nbytes].view(dtype).view(*shape)
+
+    def close(self) -> None:
+        try:
+            self.client.client.unregister_cuda_shared_memory(self.name)
+        except Exception:  # noqa: BLE001 - best effort: the buffer is freed either way
+            pass
+        self._cudashm.destroy_shared_memory_region(self.handle)
+
+
+def _request_arrays(input_ids, images: Sequence[bytes], media_frames):
+    """The request's tensors as the server takes them: int64 ids, a BYTES array, optional int64 frames."""
+    ids = np.ascontiguousarray(np.asarray(input_ids, dtype=np.int64).reshape(-1))
+    frames = None if media_frames is None else np.asarray(media_frames, dtype=np.int64).reshape(-1)
+    return ids, _bytes_tensor(images), frames
 
 
 def _output_meta(result, name: str) -> tuple[list[int], str]:
