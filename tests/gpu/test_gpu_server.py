@@ -68,6 +68,22 @@ def test_cuda_shared_memory_output(gpu_server):
     np.testing.assert_array_equal(shm.image_embeds, plain.image_embeds)
 
 
+def test_one_registered_cuda_region_serves_several_requests(gpu_server):
+    from clients.kimi_client import CudaOutputRegion
+
+    client = KimiVisionClient(gpu_server.grpc_url)
+    region = CudaOutputRegion(client, 64 << 20)
+    try:
+        for blobs in (images()[1:], images()[2:]):
+            plain = client.infer(chat_prompt_ids(len(blobs)), blobs)
+            got = client.infer_into(region, chat_prompt_ids(len(blobs)), blobs)
+            assert got.image_embeds is None and got.cuda_embeds.is_cuda
+            np.testing.assert_array_equal(got.cuda_embeds.float().cpu().numpy(), plain.image_embeds)
+    finally:
+        region.close()
+        client.close()
+
+
 def test_text_only_on_gpu(gpu_server):
     client = KimiVisionClient(gpu_server.grpc_url)
     r = client.infer(np.array([1, 2, 3]), [])
