@@ -26,10 +26,10 @@ $(STAMP): requirements.txt
 	@rm -f $(VENV)/.installed-*; touch $@
 
 run: setup
-	$(PY) -m backends.deploy.demo --device $(DEVICE) $(CKPT_ARG)
+	$(PY) -m clients.demo --device $(DEVICE) $(CKPT_ARG)
 
 serve: setup
-	$(PY) -m backends.deploy.server --device $(DEVICE) $(CKPT_ARG) \
+	$(PY) -m backends.deploy.launcher --device $(DEVICE) $(CKPT_ARG) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 validate: setup

@@ -1,27 +1,33 @@
-"""The one place for Kimi-K2.5 vision constants: token ids, the media (resize) rule, the encoder shape.
+"""The one place for the settings every step agrees on: token ids, the media (resize) rule, the encoder
+shape, and the per-request limits.
 
-Values default to the released Kimi-K2.5 checkpoint (`../shared/docs/kimi_k25_reference.md` §1.1, §2.1,
-§3.1). A checkpoint directory overrides them through `load_checkpoint_config`, which reads both the
-original config names (`vt_*`, `media_placeholder_token_id`) and what transformers writes
-(`vision_config.hidden_size`, `image_token_id`, `text_config.hidden_size`).
+Values default to the released Kimi-K2.5 checkpoint (docs/kimi_k25.md#media-config, #token-ids,
+#encoder). A checkpoint directory overrides them through `load_checkpoint_config`, which reads both
+the original config names (`vt_*`, `media_placeholder_token_id`) and what transformers writes
+(`vision_config.hidden_size`, `image_token_id`, `text_config.hidden_size`). The model repository
+carries the resolved `VisionConfig` as JSON (`to_json` / `from_json`), so that model instances never
+parse the checkpoint's files again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import contract
 
 
 @dataclass(frozen=True)
 class TokenIds:
     """Special-token ids the vision path needs. `media_pad` is the one placeholder per image."""
 
-    media_pad: int = 163605
-    media_begin: int = 163602
-    media_content: int = 163603
-    media_end: int = 163604
+    media_pad: int = contract.MEDIA_PAD
+    media_begin: int = contract.MEDIA_BEGIN
+    media_content: int = contract.MEDIA_CONTENT
+    media_end: int = contract.MEDIA_END
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,27 @@ class VisionConfig:
     tokens: TokenIds = field(default_factory=TokenIds)
     torch_dtype: str = "bfloat16"
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "VisionConfig":
+        d = json.loads(text)
+        enc = dict(d["encoder"], merge_kernel_size=tuple(d["encoder"]["merge_kernel_size"]))
+        media = {k: tuple(v) if isinstance(v, list) else v for k, v in d["media"].items()}
+        return cls(encoder=EncoderConfig(**enc), media=MediaConfig(**media), tokens=TokenIds(**d["tokens"]),
+                   torch_dtype=d["torch_dtype"])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-request limits (model config parameters). Every violation is a RequestError naming the limit
+    and the request's own value."""
+
+    max_images: int = 64  # IMAGES entries (frames count one each)
+    max_patches: int = 16384 * 8
+    max_image_pixels: int = 179_000_000  # Pillow's own hard bomb limit (2 x MAX_IMAGE_PIXELS)
+
 
 # The embedded default: the real K2.5 preprocessing rule and token ids with a tiny MoonViT3d
 # (2 layers, 64 wide) so that `make run` and the tests finish in seconds on 2 CPU cores.
@@ -149,7 +176,13 @@ def parse_config_json(cfg: dict, preprocessor: dict | None = None) -> VisionConf
 
 
 def load_checkpoint_config(checkpoint_dir: str | Path) -> VisionConfig:
-    """Read `config.json` (required) and `preprocessor_config.json` (optional) from a checkpoint dir."""
+    """Read `config.json` (required) and `preprocessor_config.json` (optional) from a checkpoint dir.
+    Parsed once per directory and process."""
+    return _load_checkpoint_config(str(Path(checkpoint_dir).resolve()))
+
+
+@functools.lru_cache(maxsize=8)
+def _load_checkpoint_config(checkpoint_dir: str) -> VisionConfig:
     root = Path(checkpoint_dir)
     config_path = root / "config.json"
     if not config_path.is_file():

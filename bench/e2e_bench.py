@@ -11,7 +11,7 @@
     (`KimiVisionClient.infer_into` with a `CudaOutputRegion`), the embeddings left there (what a
     co-located LLM process does);
 (d) the reference, in this process: the checkpoint processor's arithmetic on the CPU
-    (`bench.preprocess_bench.reference_processor`: Pillow decode + BICUBIC resize, numpy
+    (`oracles.checkpoint_processor`: Pillow decode + BICUBIC resize, numpy
     pad/normalize/patchify), then transformers' Kimi_K25 vision tower + projector (SDPA, bf16) on the
     GPU with the same checkpoint's weights, ending with the embeddings on the GPU (synchronized).
 
@@ -37,11 +37,11 @@ from PIL import Image
 
 from backends.config import load_checkpoint_config
 from backends.deploy.repository import Deployment
-from backends.deploy.server import deployment_server
+from backends.deploy.launcher import deployment_server
 from backends.preprocess.resize_rule import navit_resize
 from bench.gpu_timing import machine_line, write_report
 from bench.perf import output_byte_sizes
-from bench.preprocess_bench import reference_processor
+from oracles.checkpoint_processor import reference_pixels
 from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 
@@ -90,7 +90,7 @@ class Reference:
     def __init__(self, checkpoint: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
         from transformers.models import kimi_k25
 
-        from tests.hf_oracle import hf_config_from, load_checkpoint_into_hf
+        from oracles.transformers_kimi import hf_config_from, load_checkpoint_into_hf
 
         cfg = load_checkpoint_config(checkpoint)
         self.media, self.device, self.dtype = cfg.media, torch.device(device), dtype
@@ -103,7 +103,7 @@ class Reference:
         """(tokens, text_hidden) in `dtype` on `device`, computed when this returns."""
         patches, grids = [], []
         for blob in images:
-            patches.append(reference_processor(blob, self.media))
+            patches.append(reference_pixels(blob, self.media)[0])
             grids.append(navit_resize(*Image.open(io.BytesIO(blob)).size, self.media).grid_thw)
         pixels = torch.from_numpy(np.concatenate(patches)).to(self.device, self.dtype)
         with torch.inference_mode():

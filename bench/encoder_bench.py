@@ -20,11 +20,11 @@ import torch
 from backends.config import EncoderConfig
 from backends.encoder.attention import available_backends
 from backends.encoder.metadata import rope_angles_table
-from backends.encoder.moonvit3d import apply_rope_portable
+from backends.kernels.rope import apply_rope_portable
 from backends.kernels import rope as fused_rope
 from backends.encoder.graphs import GraphedEncoder
 from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, graph_time_ms, machine_line, matmul_peak_tflops, write_report
-from tests.hf_oracle import hf_config, hf_model, rel_err
+from oracles.transformers_kimi import hf_config, hf_model, rel_err
 
 REAL = EncoderConfig()  # K2.5: 27 layers, 1152 wide, 16 heads x 72, MLP 4304, text 7168
 CASES = {"1x1024^2": [(1, 74, 74)], "1x3000^2": [(1, 130, 130)], "8x448^2": [(1, 32, 32)] * 8}
@@ -42,7 +42,7 @@ def encoder_flops(cfg: EncoderConfig, grids) -> float:
 
 def ours_from_hf(model, device, dtype):
     """Our model with transformers' in-memory weights (names and RoPE permutation converted by our loader)."""
-    from backends.weights.loader import build_model, check_tensors, expected_shapes, to_canonical
+    from backends.weights.checkpoint import build_model, check_tensors, expected_shapes, to_canonical
 
     state = {k: v for k, v in model.state_dict().items() if k.startswith(("vision_tower.", "mm_projector."))}
     canon, source = to_canonical(state, REAL.num_heads)

@@ -32,9 +32,12 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.deploy.repository import BATCHED_ENSEMBLE, ENSEMBLE, Deployment, model_configs
-from backends.deploy.server import BUILD, deployment_server, gpu_available, resolve_device
-from backends.serving.steps import PlaceholderStep
+from backends.deploy.repository import Deployment, model_configs
+from contract import BATCHED_ENSEMBLE, ENSEMBLE
+from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
+from backends.placeholder.expand import expand_placeholders
+from backends.preprocess.decode import open_image
+from backends.preprocess.media import plan_media
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
 
@@ -54,15 +57,16 @@ def request_images(kind: str) -> list[bytes]:
 def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes]) -> dict[str, int]:
     """Bytes of each ensemble output for one request (without a batch dimension), as `dep` serves it.
 
-    Rows come from the placeholder step the server runs (the checkpoint's resize rule and 2x2 merge:
+    Rows come from the planning the placeholder step runs (the checkpoint's resize rule and 2x2 merge:
     IMAGE_EMBEDS has one row per image token, EXPANDED_IDS the prompt with each placeholder repeated
     once per token); widths and dtypes from the rendered ensemble config (text hidden size from the
     deployment's checkpoint config; BF16 on GPU, FP32 on CPU). An output this function has no row
     count for raises, so a new output cannot silently get a too-small shared-memory region.
     """
-    step = PlaceholderStep(dep.vision, dep.limits)(input_ids, images)
-    counts = step["IMAGE_TOKEN_COUNTS"]
-    rows = {"EXPANDED_IDS": len(step["EXPANDED_IDS"]), "IMAGE_EMBEDS": int(counts.sum()),
+    sizes = [open_image(b, i, dep.limits.max_image_pixels).size for i, b in enumerate(images)]
+    counts = [m.plan.num_tokens for m in plan_media(sizes, dep.vision.media, dep.limits)]
+    expanded = expand_placeholders(input_ids, dep.vision.tokens.media_pad, counts)
+    rows = {"EXPANDED_IDS": len(expanded), "IMAGE_EMBEDS": sum(counts),
             "GRID_THWS": len(counts), "IMAGE_TOKEN_COUNTS": len(counts)}
     sizes = {}
     for out in model_configs(dep)[ENSEMBLE].output:
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     ensembles = parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles")
     shm_modes = parse_list(args.shared_memory, SHM_MODES, "--shared-memory")
     levels = [int(c) for c in args.concurrency.split(",")]
-    if "cuda" in shm_modes and not gpu_available():
+    if "cuda" in shm_modes and gpu_count() == 0:
         raise SystemExit("--shared-memory cuda needs a CUDA GPU on this host (perf_analyzer allocates the regions)")
     binary = args.perf_dir / "bin" / "perf_analyzer"
     if not binary.exists():

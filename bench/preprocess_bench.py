@@ -26,20 +26,11 @@ from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess.resize_rule import navit_resize
 from bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, machine_line, wall_time_ms, write_report
 from clients.samples import encode, photo_like
+from oracles.checkpoint_processor import reference_pixels
 
 
 def reference_processor(blob: bytes, media: MediaConfig) -> np.ndarray:
-    """The checkpoint processor's arithmetic (reference doc §1.3-1.5), numpy on the CPU."""
-    img = Image.open(io.BytesIO(blob)).convert("RGB")
-    plan = navit_resize(img.width, img.height, media)
-    img = img.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
-    arr = np.pad(np.asarray(img), ((0, plan.pad_height), (0, plan.pad_width), (0, 0)))
-    x = (arr / 255.0).astype(np.float32)
-    x -= np.asarray(media.image_mean)
-    x *= 1.0 / np.asarray(media.image_std)
-    p = media.patch_size
-    h, w = x.shape[:2]
-    return x.reshape(h // p, p, w // p, p, 3).transpose(0, 2, 4, 1, 3).reshape(-1, 3, p, p)
+    return reference_pixels(blob, media)[0]
 
 
 def _encode_opencv(rgb: np.ndarray, sampling: str) -> bytes:
@@ -101,8 +92,9 @@ def main(argv=None) -> int:
         table = gpu.table
         resize_ms = cuda_time_ms(lambda: resize_bicubic(decoded, plan.width, plan.height))
         resized = resize_bicubic(decoded, plan.width, plan.height)
-        patchify_ms = cuda_time_ms(lambda: normalize_patchify(resized, plan, table, torch.bfloat16))
-        gpu_ms = cuda_time_ms(lambda: normalize_patchify(resize_bicubic(decoded, plan.width, plan.height), plan, table,
+        patchify_ms = cuda_time_ms(lambda: normalize_patchify(resized, table, plan.patch_size, plan.padded_height, plan.padded_width, torch.bfloat16))
+        gpu_ms = cuda_time_ms(lambda: normalize_patchify(resize_bicubic(decoded, plan.width, plan.height), table,
+                                                         plan.patch_size, plan.padded_height, plan.padded_width,
                                                          torch.bfloat16))
         results[label] = dict(cpu_reference_ms=cpu_ms, ours_end_to_end_ms=ours_ms, pillow_decode_ms=decode_ms,
                               gpu_resize_ms=resize_ms, gpu_patchify_ms=patchify_ms, gpu_resize_patchify_ms=gpu_ms)

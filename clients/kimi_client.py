@@ -19,13 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MODEL = "kimi_k25_vision"
-# Same pipeline with a batch dimension of 1 on every tensor; the server batches such requests
-# across clients so that their images share one encoder forward.
-BATCHED_MODEL = "kimi_k25_vision_batched"
-MEDIA_PAD = 163605  # <|media_pad|> in the K2.5 checkpoint; a checkpoint's config can differ
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = 163602, 163603, 163604
-OUTPUTS = ("EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS")
+import contract
+from contract import MEDIA_PAD, OUTPUTS  # noqa: F401 - MEDIA_PAD re-exported for callers
+
+MODEL = contract.ENSEMBLE
+BATCHED_MODEL = contract.BATCHED_ENSEMBLE
 
 
 @dataclass
@@ -52,12 +50,8 @@ class VisionResult:
 
 
 def chat_prompt_ids(num_images: int, text_ids: Sequence[int] = (1, 2, 3)) -> np.ndarray:
-    """A minimal prompt: each image as <|media_begin|> ... <|media_content|><|media_pad|><|media_end|>,
-    then some text ids. Real clients send their tokenizer's ids with one <|media_pad|> per image."""
-    ids: list[int] = []
-    for _ in range(num_images):
-        ids += [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END]
-    return np.asarray(ids + list(text_ids), dtype=np.int64)
+    """contract.chat_prompt_ids as an int64 array."""
+    return np.asarray(contract.chat_prompt_ids(num_images, text_ids), dtype=np.int64)
 
 
 def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:

@@ -9,6 +9,7 @@ from a fresh rendering under build/ (`python -m backends.deploy.repository --hel
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,20 +17,17 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.config import DEMO_CONFIG, VisionConfig, load_checkpoint_config
-from backends.preprocess.pipeline import Limits
+from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, PLACEHOLDER, PLACEHOLDER_BATCHED, PREPROCESS,
+                      PREPROCESS_BATCHED)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
-ENSEMBLE = "kimi_k25_vision"
-# The same pipeline with a batch dimension: clients send [1, ...] tensors, and Triton's dynamic batcher
-# hands moonvit3d several requests at once, which run as one varlen forward.
-BATCHED_ENSEMBLE = "kimi_k25_vision_batched"
-PLACEHOLDER, PREPROCESS, ENCODER = "kimi_placeholder", "kimi_preprocess", "moonvit3d"
-# Batching twins for the batched ensemble (Triton requires every model of a batching ensemble to batch);
-# the contract's kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension.
-# moonvit3d serves both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
-PLACEHOLDER_BATCHED, PREPROCESS_BATCHED = "kimi_placeholder_batched", "kimi_preprocess_batched"
+# The batched ensemble: clients send [1, ...] tensors, and Triton's dynamic batcher hands moonvit3d
+# several requests at once, which run as one varlen forward. Its placeholder and preprocessing models
+# are batching twins (Triton requires every model of a batching ensemble to batch); the contract's
+# kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension. moonvit3d serves
+# both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
 MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE, PLACEHOLDER_BATCHED, PREPROCESS_BATCHED, BATCHED_ENSEMBLE)
 # A twin runs its base model's code: `write_source_configs` copies the base's version folder.
 SOURCE_OF = {PLACEHOLDER_BATCHED: PLACEHOLDER, PREPROCESS_BATCHED: PREPROCESS, BATCHED_ENSEMBLE: ENSEMBLE}
@@ -51,8 +49,9 @@ class Deployment:
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
 
-    @property
+    @functools.cached_property
     def vision(self) -> VisionConfig:
+        """The checkpoint's config, read once; rendered into every model's parameters."""
         return load_checkpoint_config(self.checkpoint) if self.checkpoint else DEMO_CONFIG
 
     @property
@@ -66,7 +65,7 @@ class Deployment:
 
     def cuda_pool_bytes(self) -> int | None:
         """Triton's CUDA pool holds the tensors between steps; too small a pool silently hands the
-        next step zeros (../shared/docs/triton_notes.md §3). Sized for the worst case the limits
+        next step zeros (docs/triton_runtime.md#gpu-tensors-between-steps). Sized for the worst case the limits
         allow (BF16 pixels and embeddings of `max_patches`) times the requests that can hold such
         tensors at once: a full batch per encoder instance, moonvit3d's bounded queue, and one
         request per preprocessing instance."""
@@ -104,6 +103,8 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
         "max_images": str(dep.limits.max_images),
         "max_patches": str(dep.limits.max_patches),
         "max_image_pixels": str(dep.limits.max_image_pixels),
+        # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
+        "vision_config": dep.vision.to_json(),
         # GPU instances take their inputs where the previous step left them (no host round-trip).
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
     }

@@ -2,7 +2,7 @@
 
 A forward is ~560 kernel launches (27 layers of norms, GEMMs, RoPE, attention, GELU, residuals); for
 one 1024^2 image the host needed about as long to launch them as the GPU needed to run them
-(bench/results/h200-2026-11-30/profile_encoder_eager_fa4.txt). Replaying a captured graph removes
+(bench/results/h200-2026-11-30.md, "Encoder profile"). Replaying a captured graph removes
 the host cost. Shapes are fixed inside a graph, so graphs are keyed by the exact grid list: a list
 seen for the second time is captured (one-off sizes never pay for a capture), up to `max_graphs`
 graphs, least recently used first out, and only for batches up to `max_patches` patches (larger ones
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.encoder.cache import hold_tables_for_graph
-from backends.encoder.metadata import ForwardMetadata, as_grid_list
+from backends.encoder.metadata import ForwardMetadata, as_grid_list, check_pixels
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class GraphedEncoder:
     @torch.inference_mode()  # as the model's forward: the static input is captured as an inference tensor
     def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         grids = as_grid_list(grid_thws)
-        # A pixel count that does not match the grids goes to the model, which says so.
-        if not self.applies(pixel_values.shape[0]) or pixel_values.shape[0] != sum(t * h * w for t, h, w in grids):
+        check_pixels(self.model.cfg, tuple(pixel_values.shape), grids)
+        if not self.applies(pixel_values.shape[0]):
             return self.model(pixel_values, grids)
         key = tuple(grids)
         captured = self.graphs.get(key)
@@ -80,9 +80,6 @@ class GraphedEncoder:
                 log.exception("CUDA graph capture failed for grids %s; running them eagerly", grids)
                 self.seen[key] = False
                 return self.model(pixel_values, grids)
-        if pixel_values.shape != captured.pixels.shape:  # copy_ would broadcast silently
-            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}, the graph for these grids "
-                             f"takes {tuple(captured.pixels.shape)}")
         self.graphs.move_to_end(key)
         captured.pixels.copy_(pixel_values)
         captured.graph.replay()

@@ -1,4 +1,4 @@
-"""Per-forward metadata, computed once on the host and shared by all layers (reference doc §5.3).
+"""Per-forward metadata, computed once on the host and shared by all layers (docs/kimi_k25.md#per-forward-metadata).
 
 `grid_thws` never goes to the device: sequence lengths, max_seqlen, the RoPE angle table and the merge
 layout are derived from the host copy, so no layer ever has to sync the device to learn a shape.
@@ -83,12 +83,29 @@ def check_grids(cfg: EncoderConfig, grids: Sequence[tuple[int, int, int]]) -> No
     """The encoder's rules for (t, h, w), on the host: ValueError naming the first violation."""
     kh, kw = cfg.merge_kernel_size
     for t, h, w in grids:
-        if t < 1 or t > cfg.init_pos_emb_time:
+        if min(t, h, w) < 1:
+            raise ValueError(f"entries must be positive, got {[list(g) for g in grids]}")
+        if t > cfg.init_pos_emb_time:
             raise ValueError(f"media with t={t} frames; the encoder takes 1..{cfg.init_pos_emb_time} frames per chunk")
         if h % kh or w % kw:
             raise ValueError(f"grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
         if not (1 <= h <= cfg.rope_max_height and 1 <= w <= cfg.rope_max_width):
             raise ValueError(f"patch grid {h}x{w} exceeds the RoPE table {cfg.rope_max_height}x{cfg.rope_max_width}")
+
+
+def check_pixels(cfg: EncoderConfig, pixel_shape: tuple[int, ...], grids: Sequence[tuple[int, int, int]]) -> None:
+    """The one check that pixels and grids belong together: (N, 3, p, p) pixels, N = sum of t*h*w, and
+    every grid valid for this encoder. ValueError in the client's terms (tensor names)."""
+    p = cfg.patch_size
+    if len(pixel_shape) != 4 or tuple(pixel_shape[1:]) != (3, p, p):
+        raise ValueError(f"PIXEL_VALUES must have shape [N, 3, {p}, {p}], got {list(pixel_shape)}")
+    try:
+        check_grids(cfg, grids)
+    except ValueError as exc:
+        raise ValueError(f"GRID_THWS: {exc}") from None
+    patches = sum(t * h * w for t, h, w in grids)
+    if patches != pixel_shape[0]:
+        raise ValueError(f"GRID_THWS describes {patches} patches but PIXEL_VALUES has {pixel_shape[0]}")
 
 
 def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:

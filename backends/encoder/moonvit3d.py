@@ -1,7 +1,7 @@
 """MoonViT3d (the Kimi-K2.5 vision tower) and its patch-merger projector, top to bottom.
 
 Module and parameter names are the original checkpoint's (`vision_tower.encoder.blocks.N.wqkv`, ...),
-so the original layout loads without renaming. Math follows reference doc §3:
+so the original layout loads without renaming. Math follows docs/kimi_k25.md#encoder:
 
     x = Linear_588->D(pixels) + bicubic(pos_emb)[h, w] (+ sincos time for t > 1)
     27 x [ x += wo(Attn(RoPE2D(wqkv(LN0 x)))) ;  x += fc1(gelu_tanh(fc0(LN1 x))) ]
@@ -21,8 +21,9 @@ from torch import nn
 from backends.config import EncoderConfig
 from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.cache import TensorCache
-from backends.encoder.metadata import ForwardMetadata, build_metadata
+from backends.encoder.metadata import ForwardMetadata, build_metadata, check_pixels
 from backends.kernels import rope as fused_rope
+from backends.kernels.rope import apply_rope_portable
 
 
 def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
@@ -30,15 +31,6 @@ def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
     omega = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     angles = torch.outer(torch.arange(frames, dtype=torch.float32), omega)
     return torch.cat([angles.sin(), angles.cos()], dim=1)
-
-
-def apply_rope_portable(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: (L, H, D); freqs: (L, D/2) complex64. Adjacent pairs (x[2j], x[2j+1]) are rotated in fp32."""
-    def rotate(x):
-        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-        return torch.view_as_real(xc * freqs[:, None, :]).flatten(-2).to(x.dtype)
-
-    return rotate(q), rotate(k)
 
 
 class Rope:
@@ -110,37 +102,13 @@ class PatchEmbed(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc1(gelu_tanh(fc0(x))); applied by `attention_out_and_mlp`, this module only holds the weights."""
-
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc0 = nn.Linear(dim, hidden)
         self.fc1 = nn.Linear(hidden, dim)
 
-
-def attention_in(x, norm_w, norm_b, eps: float, qkv_w, qkv_b):
-    """LN0 + QKV projection: (L, D) -> (L, 3D). Kept as a plain function of tensors so that
-    `KimiVisionModel.compile_blocks()` can fuse it once for all layers."""
-    return F.linear(F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps), qkv_w, qkv_b)
-
-
-def attention_out_and_mlp(x, attn, wo_w, wo_b, norm_w, norm_b, eps: float, fc0_w, fc0_b, fc1_w, fc1_b):
-    """x + wo(attn), then + fc1(gelu_tanh(fc0(LN1(.)))): the rest of a block after attention."""
-    x = x + F.linear(attn, wo_w, wo_b)
-    h = F.layer_norm(x, (x.shape[-1],), norm_w, norm_b, eps)
-    return x + F.linear(F.gelu(F.linear(h, fc0_w, fc0_b), approximate="tanh"), fc1_w, fc1_b)
-
-
-class BlockOps:
-    """The two non-attention halves of a block, eager or compiled (shared by all layers)."""
-
-    def __init__(self, compiled: bool = False):
-        self.compiled = compiled
-        if compiled:
-            self.attention_in = torch.compile(attention_in, dynamic=True)
-            self.attention_out_and_mlp = torch.compile(attention_out_and_mlp, dynamic=True)
-        else:
-            self.attention_in, self.attention_out_and_mlp = attention_in, attention_out_and_mlp
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
 
 
 class EncoderBlock(nn.Module):
@@ -154,16 +122,13 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = MLP(d, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str,
-                ops: BlockOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
         L = x.shape[0]
-        qkv = ops.attention_in(x, self.norm0.weight, self.norm0.bias, self.norm0.eps, self.wqkv.weight, self.wqkv.bias)
+        qkv = self.wqkv(self.norm0(x))  # (L, 3D)
         q, k, v = qkv.view(L, 3, self.num_heads, self.head_dim).unbind(1)  # [q | k | v], head-major views
         q, k = rope(q, k)  # the fused kernel rotates the views in place inside qkv
-        attn = varlen_attention(q, k, v, meta, attn_backend)
-        return ops.attention_out_and_mlp(x, attn.reshape(L, -1), self.wo.weight, self.wo.bias, self.norm1.weight,
-                                         self.norm1.bias, self.norm1.eps, self.mlp.fc0.weight, self.mlp.fc0.bias,
-                                         self.mlp.fc1.weight, self.mlp.fc1.bias)
+        x = x + self.wo(varlen_attention(q, k, v, meta, attn_backend).reshape(L, -1))
+        return x + self.mlp(self.norm1(x))
 
 
 class Encoder(nn.Module):
@@ -179,7 +144,6 @@ class MoonViT3d(nn.Module):
         self.cfg = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = Encoder(cfg)
-        self.ops = BlockOps(compiled=False)
 
     def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope: Rope,
                 attn_backend: str | None = None) -> torch.Tensor:
@@ -187,7 +151,7 @@ class MoonViT3d(nn.Module):
         backend = attn_backend or pick_backend(pixels.device, pixels.dtype, meta)
         x = self.patch_embed(pixels, meta.grids)
         for block in self.encoder.blocks:
-            x = block(x, meta, rope, backend, self.ops)
+            x = block(x, meta, rope, backend)
         return self.encoder.final_layernorm(x)
 
 
@@ -234,12 +198,6 @@ class KimiVisionModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mm_projector.pre_norm.weight.dtype
 
-    def compile_blocks(self, enabled: bool = True) -> "KimiVisionModel":
-        """Fuse the norms, bias adds, GELU and residuals of every block with torch.compile (dynamic
-        shapes: one compilation serves every image size). Attention and RoPE stay on their kernels."""
-        self.vision_tower.ops = BlockOps(compiled=enabled)
-        return self
-
     def metadata(self, grid_thws) -> ForwardMetadata:
         return build_metadata(self.cfg, grid_thws, self.device)
 
@@ -249,8 +207,7 @@ class KimiVisionModel(nn.Module):
         """pixel_values: (sum t*h*w, 3, p, p); grid_thws: host (M, 3). Returns (sum tokens, text_hidden)
         in media order, in the model's dtype. `fused_rope`/`attn_backend` None = fastest available."""
         meta = grid_thws if isinstance(grid_thws, ForwardMetadata) else self.metadata(grid_thws)
-        if pixel_values.shape[0] != meta.num_patches:
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but grid_thws describes {meta.num_patches}")
+        check_pixels(self.cfg, tuple(pixel_values.shape), meta.grids)
         if not meta.grids:
             return pixel_values.new_empty((0, self.cfg.text_hidden_size), dtype=self.dtype)
         rope = Rope(meta.rope, self.device, self.dtype, fused_rope)

@@ -1,22 +1,54 @@
-"""Fused pad + normalize + patchify (Triton): resized uint8 (T, H, W, 3) -> (T*gh*gw, 3, p, p) in one pass.
+"""Pad + normalize + patchify: resized uint8 (T, H, W, 3) -> (T*gh*gw, 3, p, p), as a Triton kernel and
+its torch reference.
 
-Reference: `backends.preprocess.patchify.pad_normalize_patchify` (torch). Each output element reads
-its uint8 level (zero outside the resized image, i.e. the bottom/right padding) and looks it up in the
-per-channel normalization table, so values equal the reference bit for bit; the padded image and the
-float intermediate never exist in memory: one byte read and one output element written per value.
+Both read each value's uint8 level (zero outside the resized image, i.e. the bottom/right padding)
+and look it up in a per-channel normalization table (preprocess/normalize.py builds it with the
+checkpoint processor's arithmetic), so their outputs are equal bit for bit. Patches are ordered
+t-major, then patch row, then patch column; each patch is channel-first (C, py, px)
+(docs/kimi_k25.md#patch-layout). The kernel never materializes the padded image or a float
+intermediate: one byte read and one output element written per value.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backends.preprocess.resize_rule import ResizePlan
-
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+
+def _frames(image: torch.Tensor, patch: int, padded_height: int, padded_width: int) -> torch.Tensor:
+    """The shared input check: uint8 (H, W, 3) or (T, H, W, 3) inside a padded grid of whole patches.
+    Returns the (T, H, W, 3) view."""
+    if image.dtype != torch.uint8:
+        raise ValueError(f"patchify takes uint8 pixels, got {image.dtype}")
+    if image.dim() not in (3, 4) or image.shape[-1] != 3:
+        raise ValueError(f"patchify takes (H, W, 3) or (T, H, W, 3) pixels, got shape {tuple(image.shape)}")
+    frames = image if image.dim() == 4 else image.unsqueeze(0)
+    h, w = frames.shape[1], frames.shape[2]
+    if padded_height % patch or padded_width % patch or padded_height < h or padded_width < w:
+        raise ValueError(f"cannot pad {h}x{w} pixels to {padded_height}x{padded_width}, "
+                         f"which must be whole {patch}-pixel patches at least as large")
+    return frames
+
+
+def pad_normalize_patchify(image: torch.Tensor, table: torch.Tensor, patch: int, padded_height: int,
+                           padded_width: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The torch reference, any device. image: uint8 (H, W, 3) or (T, H, W, 3); table: (3, 256) float32
+    on the image's device. Returns (T*gh*gw, 3, patch, patch) `out_dtype`, gh = padded_height / patch."""
+    frames = _frames(image, patch, padded_height, padded_width)
+    t, h, w, _ = frames.shape
+    padded = frames.new_zeros((t, padded_height, padded_width, 3))
+    padded[:, :h, :w] = frames
+    # Gather per channel: table[c][level] -> (t, ph, pw, 3) float32.
+    idx = padded.long() + torch.arange(3, device=padded.device) * 256
+    values = table.reshape(-1)[idx]
+    gh, gw = padded_height // patch, padded_width // patch
+    patches = values.view(t, gh, patch, gw, patch, 3).permute(0, 1, 3, 5, 2, 4)
+    return patches.reshape(t * gh * gw, 3, patch, patch).to(out_dtype)
 
 
 if triton is not None:
@@ -45,19 +77,14 @@ def can_use(image: torch.Tensor) -> bool:
     return triton is not None and image.is_cuda and image.dtype == torch.uint8 and image.is_contiguous()
 
 
-def normalize_patchify(image: torch.Tensor, plan: ResizePlan, table: torch.Tensor,
-                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """image: (H, W, 3) or (T, H, W, 3) uint8 CUDA, contiguous; table (3, 256) float32 on the device."""
-    frames = image if image.dim() == 4 else image.unsqueeze(0)
-    t, h, w, c = frames.shape
-    if image.dtype != torch.uint8:
-        raise ValueError(f"normalize_patchify takes uint8 pixels, got {image.dtype}")
-    if (h, w, c) != (plan.height, plan.width, 3):
-        raise ValueError(f"expected {plan.height}x{plan.width}x3 pixels for this plan, got {h}x{w}x{c}")
-    p = plan.patch_size
-    gh, gw = plan.padded_height // p, plan.padded_width // p
-    out = torch.empty((t * gh * gw, 3, p, p), dtype=out_dtype, device=image.device)
+def normalize_patchify(image: torch.Tensor, table: torch.Tensor, patch: int, padded_height: int,
+                       padded_width: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The Triton kernel: same arguments and result as `pad_normalize_patchify`; image contiguous CUDA."""
+    frames = _frames(image, patch, padded_height, padded_width)
+    t, h, w, _ = frames.shape
+    gh, gw = padded_height // patch, padded_width // patch
+    out = torch.empty((t * gh * gw, 3, patch, patch), dtype=out_dtype, device=image.device)
     if out.numel():
-        _patchify_kernel[(t * gh * gw,)](frames, table, out, h, w, gh, gw, P=p,
-                                         BLOCK=triton.next_power_of_2(3 * p * p))
+        _patchify_kernel[(t * gh * gw,)](frames, table, out, h, w, gh, gw, P=patch,
+                                         BLOCK=triton.next_power_of_2(3 * patch * patch))
     return out

@@ -1,10 +1,11 @@
-"""In-place fused QK complex RoPE (Triton) for bf16/fp16 q, k on CUDA.
+"""2-D RoPE of q and k: the portable torch reference and an in-place fused QK Triton kernel (bf16/fp16 on
+CUDA).
 
-Reference: `backends.encoder.moonvit3d.apply_rope_portable` (view adjacent pairs as complex64, multiply
-by the per-token rotation, cast back once). The kernel reproduces that arithmetic operation for
-operation - fp32 loads of (re, im), the complex product with the same fused multiply-adds CUDA's
-complex<float> multiply compiles to, one rounding to the input dtype - so its output is
-`torch.equal` to the portable path on the GPU, not merely close.
+Reference: `apply_rope_portable` (view adjacent pairs as complex64, multiply by the per-token
+rotation, cast back once; docs/kimi_k25.md#encoder). The kernel reproduces that arithmetic operation
+for operation - fp32 loads of (re, im), the complex product with the roundings torch's complex
+multiply has on the same device, one rounding to the input dtype - so its output is `torch.equal` to
+the portable path, not merely close.
 
 Prepared once per encoder forward (`prepare_rope`): the rotation table as interleaved fp32 (cos, sin)
 pairs, shared by all layers. The kernel reads q and k through their strides (token, head, 1), so it
@@ -23,6 +24,16 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without triton use the portable path
     triton = None
+
+
+def apply_rope_portable(q: torch.Tensor, k: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (L, H, D); freqs: (L, D/2) complex64. Adjacent pairs (x[2j], x[2j+1]) are rotated in fp32.
+    Returns new tensors in q's dtype."""
+    def rotate(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs[:, None, :]).flatten(-2).to(x.dtype)
+
+    return rotate(q), rotate(k)
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,7 @@ if triton is not None:
         q_stride_t, q_stride_h, k_stride_t, k_stride_h,
         HEAD_DIM: tl.constexpr, NUM_PAIRS: tl.constexpr, HEADS_CONTIGUOUS: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, CHUNKS: tl.constexpr, MASK_P: tl.constexpr,
-        ARITH: tl.constexpr,
+        FMA: tl.constexpr,
     ):
         # A program owns BLOCK_T tokens and CHUNKS * BLOCK_P of each token's NUM_PAIRS = H * D / 2
         # complex pairs, in q and in k. A token's heads are one contiguous run in the QKV projection
@@ -83,22 +94,19 @@ if triton is not None:
                 q_off = tok * q_stride_t + head * q_stride_h + elem
                 k_off = tok * k_stride_t + head * k_stride_h + elem
             c, s = tl.split(tl.load(cs_ptr + tok * HEAD_DIM + 2 * (p % half) + j, mask=mask, other=0.0))
-            _rotate_tile(q_ptr + q_off, mask, c, s, ARITH)
-            _rotate_tile(k_ptr + k_off, mask, c, s, ARITH)
+            _rotate_tile(q_ptr + q_off, mask, c, s, FMA)
+            _rotate_tile(k_ptr + k_off, mask, c, s, FMA)
 
     @triton.jit
-    def _rotate_tile(ptrs, mask, c, s, ARITH: tl.constexpr):
+    def _rotate_tile(ptrs, mask, c, s, FMA: tl.constexpr):
         a, b = tl.split(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
-        # (a + bi)(c + si), with the roundings of the portable path on this device (ARITH).
-        if ARITH == 0:  # two rounded products, then the sum (needs fp fusion off)
-            re = a * c - b * s
-            im = a * s + b * c
-        elif ARITH == 1:  # the first product fused: fma(a, c, -(b*s)), fma(a, s, b*c)
+        # (a + bi)(c + si), with the roundings of the portable path on this device.
+        if FMA:  # CUDA's complex<float> multiply, contracted by nvcc: fma(a, c, -(b*s)), fma(a, s, b*c)
             re = tl.fma(a, c, -(b * s))
             im = tl.fma(a, s, b * c)
-        else:  # the second product fused: fma(-b, s, a*c), fma(b, c, a*s)
-            re = tl.fma(-b, s, a * c)
-            im = tl.fma(b, c, a * s)
+        else:  # ATen's CPU kernel: two rounded products, then the sum (needs fp fusion off)
+            re = a * c - b * s
+            im = a * s + b * c
         tl.store(ptrs, tl.join(re, im).to(ptrs.dtype.element_ty), mask=mask)
 
 
@@ -116,21 +124,18 @@ def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> tuple[di
     return dict(BLOCK_T=block_t, BLOCK_P=block_p, CHUNKS=chunks, MASK_P=mask_p), n_chunks // chunks
 
 
-# How torch's complex64 multiply rounds, per device type: ATen's CPU kernel rounds both products
-# (ARITH 0); CUDA's complex<float> operator* is contracted by nvcc into FMAs (ARITH 1, checked on
-# an H200 with torch 2.11: 0 mismatches for ARITH 1, 59 and 70 of 1.2M for 0 and 2, by
-# tests/gpu/test_gpu_kernels.py, which tries all three).
-PORTABLE_ARITH = {"cpu": 0, "cuda": 1}
-
-
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope, block_t: int = 4,
-                       arith: int | None = None, max_chunks: int = 3,
-                       num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                       max_chunks: int = 3, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1).
 
     Defaults from the H200 sweep in bench/encoder_bench.py (27 x 12544 tokens x 16 x 72, kernels timed
     as a CUDA graph): 4 tokens per program, 3 chunks of 64 pairs looped per program, 2 warps: 0.908 ms,
-    1.18x the HBM floor (16 tokens, 4 warps: 3.51x); bench/results/h200-2026-11-30/encoder_bench.md."""
+    1.18x the HBM floor (16 tokens, 4 warps: 3.51x); bench/results/h200-2026-11-30.md.
+
+    How torch's complex64 multiply rounds depends on the device: CUDA's complex<float> operator* is
+    contracted into FMAs (checked on an H200 with torch 2.11: 0 mismatches in 1.2M values, 59 for
+    separately rounded products), ATen's CPU kernel rounds both products; the kernel follows q's
+    device, so under Triton's CPU interpreter it equals the CPU reference."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     L, H, D = q.shape
@@ -148,8 +153,7 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
                          f"q is {L} x {D}")
     if L == 0:
         return q, k
-    if arith is None:
-        arith = PORTABLE_ARITH.get(q.device.type, 1)
+    fma = q.device.type == "cuda"
     tiles, chunk_programs = _launch_shape(H * D // 2, block_t, max_chunks)
     contiguous = (H == 1 or (q.stride(1) == D and k.stride(1) == D))
     grid = (triton.cdiv(L, block_t), chunk_programs)
@@ -157,6 +161,6 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
         q, k, prepared.cos_sin, L,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         HEAD_DIM=D, NUM_PAIRS=H * D // 2, HEADS_CONTIGUOUS=contiguous, **tiles,
-        ARITH=arith, enable_fp_fusion=arith != 0, num_warps=num_warps,
+        FMA=fma, enable_fp_fusion=fma, num_warps=num_warps,
     )
     return q, k

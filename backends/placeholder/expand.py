@@ -1,4 +1,4 @@
-"""Tokenizer-free `<|media_pad|>` expansion in id space (reference doc §2.4-2.5).
+"""Tokenizer-free `<|media_pad|>` expansion in id space (docs/kimi_k25.md#expansion-in-id-space).
 
 The prompt carries exactly one placeholder per image; the LLM needs one per image *token*. Expanding
 ids directly (mask + repeat) is exact, whereas decode -> replace -> re-tokenize can change the prompt

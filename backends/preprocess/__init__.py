@@ -1,4 +1,5 @@
-from backends.preprocess.pipeline import Limits, MediaPlan, Preprocessor, plan_media
+from backends.preprocess.media import MediaPlan, plan_media
+from backends.preprocess.preprocessor import Preprocessor
 from backends.preprocess.resize_rule import ResizePlan, navit_resize
 
-__all__ = ["Limits", "MediaPlan", "Preprocessor", "ResizePlan", "navit_resize", "plan_media"]
+__all__ = ["MediaPlan", "Preprocessor", "ResizePlan", "navit_resize", "plan_media"]

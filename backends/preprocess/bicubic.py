@@ -1,4 +1,4 @@
-"""Pillow-exact BICUBIC resize of uint8 images in torch (any device), reference doc §11.
+"""Pillow-exact BICUBIC resize of uint8 images in torch (any device); docs/pillow_bicubic.md.
 
 `PIL.Image.resize(size, BICUBIC)` on an 8-bit image is integer arithmetic once its coefficients
 exist: per axis, a Keys cubic (a = -0.5) is sampled in double, normalized per output pixel, and

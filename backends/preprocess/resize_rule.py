@@ -1,4 +1,4 @@
-"""The navit resize rule of the checkpoint processor (reference doc §1.2): pure arithmetic on (W, H).
+"""The navit resize rule of the checkpoint processor (docs/kimi_k25.md#resize-rule): pure arithmetic on (W, H).
 
 Never upscales; caps the pre-merge patch count (`in_patch_limit`, computed on floor-divided patch
 counts) and each side (`patch_limit_on_one_side` patches); `int()` truncates; then zero-pads

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backends.config import DEMO_CONFIG, VisionConfig
-from backends.encoder.metadata import as_grid_list, check_grids
+from backends.config import DEMO_CONFIG, Limits, VisionConfig
+from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
-from backends.preprocess.pipeline import Limits, Preprocessor, plan_media, split_media
+from backends.preprocess.decode import open_image
+from backends.preprocess.media import check_image_count, plan_media, split_media
+from backends.preprocess.preprocessor import Preprocessor
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ class ModelSettings:
     device: str = "cpu"
     limits: Limits = Limits()
     cuda_graphs: int = 0  # encoder graphs to keep (backends.encoder.graphs); 0 = eager
+    vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON in the config
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
@@ -39,15 +42,9 @@ class ModelSettings:
             max_patches=int(params.get("max_patches", base.max_patches)),
             max_image_pixels=int(params.get("max_image_pixels", base.max_image_pixels)),
         )
+        vision = VisionConfig.from_json(params["vision_config"]) if params.get("vision_config") else DEMO_CONFIG
         return cls(checkpoint=params.get("checkpoint", ""), device=device, limits=limits,
-                   cuda_graphs=int(params.get("cuda_graphs", 0)))
-
-    def vision_config(self) -> VisionConfig:
-        if not self.checkpoint:
-            return DEMO_CONFIG
-        from backends.config import load_checkpoint_config
-
-        return load_checkpoint_config(self.checkpoint)
+                   cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
 
 
 class PlaceholderStep:
@@ -65,7 +62,9 @@ class PlaceholderStep:
         num_media = len(split_media(len(images), media_frames, self.cfg.media))
         what = "image(s)" if media_frames is None else "media (images or video chunks)"
         ids = check_one_placeholder_per_image(input_ids, pad, num_media, what=what)
-        plans = plan_media(images, self.cfg.media, self.limits, media_frames)
+        check_image_count(len(images), self.limits)
+        sizes = [open_image(b, i, self.limits.max_image_pixels).size for i, b in enumerate(images)]
+        plans = plan_media(sizes, self.cfg.media, self.limits, media_frames)
         counts = [m.plan.num_tokens for m in plans]
         return {
             "EXPANDED_IDS": expand_placeholders(ids, pad, counts),
@@ -103,7 +102,7 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, patch_size: int, merge_tokens: int, cuda_graphs: int = 0):
+    def __init__(self, model, cuda_graphs: int = 0):
         self.model = model
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
@@ -111,25 +110,16 @@ class EncoderStep:
             from backends.encoder.graphs import GraphedEncoder
 
             self.forward = GraphedEncoder(model, max_graphs=cuda_graphs)
-        self.patch_size = patch_size
-        self.merge_tokens = merge_tokens
+        self.merge_tokens = model.cfg.merge_tokens
 
     def check(self, req: EncoderRequest) -> None:
-        pv, grid = req.pixel_values, np.asarray(req.grid_thws)
-        p = self.patch_size
-        if pv.dim() != 4 or tuple(pv.shape[1:]) != (3, p, p):
-            raise RequestError(f"PIXEL_VALUES must have shape [N, 3, {p}, {p}], got {list(pv.shape)}")
+        grid = np.asarray(req.grid_thws)
         if grid.ndim != 2 or grid.shape[1] != 3:
             raise RequestError(f"GRID_THWS must have shape [M, 3], got {list(grid.shape)}")
-        if grid.size and grid.min() < 1:
-            raise RequestError(f"GRID_THWS entries must be positive, got {grid.tolist()}")
-        patches = int(np.prod(grid, axis=1).sum()) if grid.size else 0
-        if patches != pv.shape[0]:
-            raise RequestError(f"GRID_THWS describes {patches} patches but PIXEL_VALUES has {pv.shape[0]}")
-        try:
-            check_grids(self.model.cfg, as_grid_list(grid))  # merge divisibility, frames, RoPE range
+        try:  # shapes, patch count, merge divisibility, frames, RoPE range
+            check_pixels(self.model.cfg, tuple(req.pixel_values.shape), as_grid_list(grid))
         except ValueError as exc:
-            raise RequestError(f"GRID_THWS: {exc}") from None
+            raise RequestError(str(exc)) from None
 
     def run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]

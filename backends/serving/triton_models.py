@@ -182,7 +182,7 @@ class PlaceholderModel(_Adapter):
     name = "kimi_placeholder"
 
     def setup(self):
-        self.step = PlaceholderStep(self.settings.vision_config(), self.settings.limits)
+        self.step = PlaceholderStep(self.settings.vision, self.settings.limits)
 
     def respond(self, inputs: _Inputs):
         return self.step(inputs.numpy("INPUT_IDS"), inputs.bytes_list("IMAGES"), inputs.numpy("MEDIA_FRAMES", optional=True))
@@ -199,7 +199,7 @@ class PreprocessModel(_Adapter):
     name = "kimi_preprocess"
 
     def setup(self):
-        self.step = PreprocessStep(self.settings.vision_config(), self.settings.limits, device=self.settings.device,
+        self.step = PreprocessStep(self.settings.vision, self.settings.limits, device=self.settings.device,
                                    out_dtype=_out_dtype(self.config, "PIXEL_VALUES"))
 
     def respond(self, inputs: _Inputs):
@@ -211,12 +211,11 @@ class EncoderModel(_Adapter):
     name = "moonvit3d"
 
     def setup(self):
-        from backends.weights import load_model
+        from backends.weights.load import load_model
 
-        model, cfg = load_model(self.settings.checkpoint, self.settings.device,
-                                dtype=_out_dtype(self.config, "IMAGE_EMBEDS"))
-        self.step = EncoderStep(model, cfg.encoder.patch_size, cfg.encoder.merge_tokens,
-                                cuda_graphs=self.settings.cuda_graphs)
+        model, _ = load_model(self.settings.checkpoint, self.settings.device,
+                              dtype=_out_dtype(self.config, "IMAGE_EMBEDS"))
+        self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
 
     def execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""

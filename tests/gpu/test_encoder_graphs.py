@@ -7,7 +7,7 @@ import torch
 
 from backends.config import EncoderConfig
 from backends.encoder.graphs import GraphedEncoder
-from backends.weights.demo import demo_model
+from backends.weights.seeded import seeded_model
 
 DEV = "cuda"
 # Real width and heads (the fused RoPE and attention kernels at their real shapes), fewer layers.
@@ -21,7 +21,7 @@ GRID_LISTS = [
 
 @pytest.fixture(scope="module")
 def model():
-    return demo_model(CFG).to(DEV, torch.bfloat16)
+    return seeded_model(CFG).to(DEV, torch.bfloat16)
 
 
 def pixels(grids, seed):

@@ -7,9 +7,9 @@ import torch
 
 from backends.config import DEMO_CONFIG
 from backends.deploy.repository import Deployment
-from backends.deploy.server import TritonServer, deployment_server
+from backends.deploy.launcher import TritonServer, deployment_server
 from backends.preprocess import Preprocessor
-from backends.weights.demo import demo_model
+from backends.weights.seeded import seeded_model
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
@@ -34,7 +34,7 @@ def images():
 
 def in_process(blobs):
     pv, grids, _ = Preprocessor(DEMO_CONFIG.media, device="cuda", out_dtype=torch.bfloat16)(blobs)
-    model = demo_model(DEMO_CONFIG.encoder).to("cuda", torch.bfloat16)
+    model = seeded_model(DEMO_CONFIG.encoder).to("cuda", torch.bfloat16)
     return model(pv, grids).float().cpu().numpy()
 
 
@@ -53,8 +53,7 @@ def test_gpu_ensemble_matches_in_process_and_stays_on_the_gpu(gpu_server):
     ref = in_process(blobs)
     assert r.image_embeds.shape == ref.shape
     err = np.abs(r.image_embeds - ref).max() / np.abs(ref).max()
-    print(f"GPU_ENSEMBLE_REL_ERR {err:.3e} rows {ref.shape[0]}")
-    assert err < 1e-2
+    assert err < 1e-2, f"relative error {err:.3e} over {ref.shape[0]} rows"
     assert placement_problems(gpu_server) == []
 
 
@@ -105,7 +104,6 @@ def test_placement_check_catches_a_too_small_pool():
             wrong = True
         client.close()
         problems = placement_problems(server)
-        print(f"SMALL_POOL problems={len(problems)} wrong_result={wrong}")
-        assert problems or wrong
+        assert problems or wrong, "a 1 MiB pool went unnoticed"
     finally:
         server.stop()

@@ -3,7 +3,7 @@
 import pytest
 
 from backends.deploy.repository import Deployment
-from backends.deploy.server import deployment_server
+from backends.deploy.launcher import deployment_server
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,10 @@ import torch
 
 from backends.config import EncoderConfig
 from backends.deploy.repository import Deployment
-from backends.deploy.server import deployment_server
+from backends.deploy.launcher import deployment_server
 from backends.preprocess import Preprocessor
-from backends.weights.loader import load_vision_model
-from bench.make_checkpoint import write_checkpoint
+from backends.weights.checkpoint import load_vision_model
+from oracles.random_checkpoint import write_checkpoint
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 

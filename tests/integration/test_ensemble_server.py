@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 from backends.config import DEMO_CONFIG
 from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
-from backends.weights.demo import demo_model
+from backends.weights.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
@@ -35,7 +35,7 @@ def expected(blobs, ids):
         else:
             expanded.append(tok)
     pv, grids, _ = Preprocessor(DEMO_CONFIG.media)(blobs)
-    embeds = demo_model(DEMO_CONFIG.encoder)(pv, grids)
+    embeds = seeded_model(DEMO_CONFIG.encoder)(pv, grids)
     return counts, expanded, grids, embeds.numpy()
 
 
@@ -144,7 +144,7 @@ def test_failures_are_counted_in_our_metric(server):
     with pytest.raises(InferenceServerException):
         client.infer(np.array([1, 2], np.int64), [b"x"])
     client.close()
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5).read().decode()
     lines = [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
     assert any('model="kimi_placeholder"' in l and 'kind="invalid_input"' in l for l in lines), lines
 
@@ -169,7 +169,7 @@ def test_video_chunk_and_image_through_the_ensemble(server):
     r = client.infer(chat_prompt_ids(2), blobs, media_frames=[4, 0])
     client.close()
     pv, grids, plans = Preprocessor(DEMO_CONFIG.media)(blobs, media_frames=[4, 0])
-    embeds = demo_model(DEMO_CONFIG.encoder)(pv, grids).numpy()
+    embeds = seeded_model(DEMO_CONFIG.encoder)(pv, grids).numpy()
     assert r.grid_thws.tolist() == grids.tolist() and grids[0, 0] == 4
     assert r.token_counts.tolist() == [m.plan.num_tokens for m in plans]
     np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
@@ -233,7 +233,7 @@ def test_batched_ensemble_runs_concurrent_requests_together(server, reference):
 
 def test_a_bad_request_in_an_encoder_batch_fails_alone(server):
     pv, grids, _ = Preprocessor(DEMO_CONFIG.media)([encode(photo_like(200, 150, seed=s), "PNG") for s in range(2)])
-    model = demo_model(DEMO_CONFIG.encoder)
+    model = seeded_model(DEMO_CONFIG.encoder)
     before = encoder_counts(server)
 
     def call(pixels, grid):

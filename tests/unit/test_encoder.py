@@ -9,7 +9,7 @@ from backends.encoder.metadata import build_metadata, rope_angles_table
 from backends.encoder.moonvit3d import KimiVisionModel, tpool_patch_merge
 from backends.errors import RequestError
 from backends.serving.steps import EncoderRequest, EncoderStep
-from backends.weights.demo import demo_model
+from backends.weights.seeded import seeded_model
 
 CFG = DEMO_CONFIG.encoder
 
@@ -75,8 +75,8 @@ def _request(grids, seed):
 
 
 def test_joint_forward_equals_separate_forwards():
-    model = demo_model(CFG)
-    step = EncoderStep(model, 14, 4)
+    model = seeded_model(CFG)
+    step = EncoderStep(model)
     reqs = [_request([[1, 4, 6], [1, 8, 8]], 0), _request([[1, 2, 2]], 1), _request([[2, 4, 4]], 2)]
     joint = step.run_batch(reqs)
     for req, got in zip(reqs, joint):
@@ -85,7 +85,7 @@ def test_joint_forward_equals_separate_forwards():
 
 
 def test_a_bad_request_fails_alone():
-    step = EncoderStep(demo_model(CFG), 14, 4)
+    step = EncoderStep(seeded_model(CFG))
     good = _request([[1, 4, 6]], 0)
     mismatched = EncoderRequest(torch.zeros(5, 3, 14, 14), np.array([[1, 4, 6]]))
     odd_grid = EncoderRequest(torch.zeros(9, 3, 14, 14), np.array([[1, 3, 3]]))
@@ -96,7 +96,7 @@ def test_a_bad_request_fails_alone():
 
 
 def test_empty_request_gives_zero_rows():
-    out = demo_model(CFG)(torch.empty(0, 3, 14, 14), np.zeros((0, 3), np.int64))
+    out = seeded_model(CFG)(torch.empty(0, 3, 14, 14), np.zeros((0, 3), np.int64))
     assert tuple(out.shape) == (0, CFG.text_hidden_size)
 
 
@@ -138,7 +138,7 @@ def test_tables_handed_out_during_a_capture_are_held_by_it():
 def test_graphed_encoder_runs_eagerly_off_cuda():
     from backends.encoder.graphs import GraphedEncoder
 
-    model = demo_model(CFG)
+    model = seeded_model(CFG)
     graphed = GraphedEncoder(model)
     grids = np.array([[1, 4, 6]])
     x = torch.randn(24, 3, 14, 14)
@@ -148,8 +148,8 @@ def test_graphed_encoder_runs_eagerly_off_cuda():
 
 
 def test_encoder_step_uses_graphs_only_on_cuda_when_asked():
-    model = demo_model(CFG)
-    assert EncoderStep(model, 14, 4, cuda_graphs=8).forward is model  # CPU: eager whatever the setting
+    model = seeded_model(CFG)
+    assert EncoderStep(model, cuda_graphs=8).forward is model  # CPU: eager whatever the setting
 
 
 class _CudaLookingModel:
@@ -157,6 +157,8 @@ class _CudaLookingModel:
 
     device = torch.device("cuda")
     dtype = torch.float32
+
+    cfg = EncoderConfig()
 
     def __init__(self):
         self.calls = 0
@@ -197,8 +199,8 @@ def test_a_graphed_call_with_the_wrong_pixel_count_fails_like_the_model():
     grids = [(1, 4, 6)]
     graph = SimpleNamespace(replay=lambda: None)
     graphed.graphs[tuple(grids)] = _Captured(graph, torch.zeros(24, 3, 14, 14), torch.zeros(24, 1), None, [])
-    with pytest.raises(ValueError, match="pixel count"):
+    with pytest.raises(ValueError, match="describes 24 patches but PIXEL_VALUES has 1"):
         graphed(torch.randn(1, 3, 14, 14), grids)
-    with pytest.raises(ValueError, match="the graph for these grids takes"):
+    with pytest.raises(ValueError, match=r"PIXEL_VALUES must have shape \[N, 3, 14, 14\]"):
         graphed(torch.randn(24, 1, 14, 14), grids)
     assert graphed.replays == 0

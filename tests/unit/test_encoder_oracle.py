@@ -21,11 +21,11 @@ kimi = pytest.importorskip("transformers.models.kimi_k25")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from backends.weights.loader import load_vision_model, unpermute_rope_rows  # noqa: E402
+from backends.weights.checkpoint import load_vision_model, unpermute_rope_rows  # noqa: E402
 from backends.config import EncoderConfig  # noqa: E402
-from bench.make_checkpoint import write_checkpoint  # noqa: E402
-from tests import hf_oracle  # noqa: E402
-from tests.hf_oracle import hf_config, hf_config_from, load_checkpoint_into_hf, reinit_, rel_err  # noqa: E402
+from oracles.random_checkpoint import write_checkpoint  # noqa: E402
+from oracles import transformers_kimi as hf_oracle  # noqa: E402
+from oracles.transformers_kimi import hf_config, hf_config_from, load_checkpoint_into_hf, reinit_, rel_err  # noqa: E402
 
 TOL = 1e-5
 HEADS = 4

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import backends.weights.loader as loader
+import backends.weights.checkpoint as loader
 from backends.config import EncoderConfig
-from backends.weights.demo import init_random_
+from backends.weights.seeded import init_random_
 from backends.encoder.moonvit3d import KimiVisionModel
 
 # Non-square pos-emb (6 high, 8 wide) so a height/width swap in config parsing fails the shape check.

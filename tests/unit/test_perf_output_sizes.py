@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from backends.config import DEMO_CONFIG
-from backends.deploy.repository import ENSEMBLE, Deployment, model_configs
+from backends.deploy.repository import Deployment, model_configs
+from contract import ENSEMBLE
 from backends.preprocess import Preprocessor
-from backends.weights.demo import demo_model
+from backends.weights.seeded import seeded_model
 from bench.perf import output_byte_sizes, request_images
 from clients.kimi_client import chat_prompt_ids
 
@@ -23,7 +24,7 @@ def test_sizes_equal_the_outputs_of_the_cpu_pipeline():
     assert set(sizes) == {o.name for o in model_configs(Deployment())[ENSEMBLE].output}
     pixels, grids, _ = Preprocessor(DEMO_CONFIG.media)(images)
     with torch.no_grad():
-        embeds = demo_model(DEMO_CONFIG.encoder)(pixels, grids)
+        embeds = seeded_model(DEMO_CONFIG.encoder)(pixels, grids)
     assert sizes["IMAGE_EMBEDS"] == embeds.numel() * 4 == 502 * 256 * 4  # README: (502, 256) float32
     assert sizes["GRID_THWS"] == grids.astype(np.int64).nbytes
     assert sizes["IMAGE_TOKEN_COUNTS"] == len(images) * 8

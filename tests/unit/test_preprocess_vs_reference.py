@@ -13,29 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
-from backends.config import MediaConfig
+from backends.config import Limits, MediaConfig
 from backends.errors import RequestError
-from backends.preprocess import Limits, Preprocessor
+from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
 from clients.samples import encode, photo_like, text_card
+from oracles.checkpoint_processor import reference_pixels
 
 MEDIA = MediaConfig()
-
-
-def reference_processor(blob: bytes, media: MediaConfig = MEDIA):
-    img = Image.open(io.BytesIO(blob)).convert("RGB")
-    plan = navit_resize(img.width, img.height, media)
-    if (plan.width, plan.height) != img.size:
-        img = img.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
-    arr = np.asarray(img)
-    arr = np.pad(arr, ((0, plan.pad_height), (0, plan.pad_width), (0, 0)), mode="constant", constant_values=0)
-    x = (arr / 255.0).astype(np.float32)
-    x -= np.asarray(media.image_mean)
-    x *= 1.0 / np.asarray(media.image_std)
-    p = media.patch_size
-    h, w = x.shape[:2]
-    x = x[None].reshape(1, h // p, p, w // p, p, 3).transpose(0, 1, 3, 5, 2, 4).reshape(-1, 3, p, p)
-    return x, [1, h // p, w // p]
 
 
 def _modes():
@@ -58,7 +43,7 @@ def _modes():
 @pytest.mark.parametrize("name,blob", list(_modes()), ids=[n for n, _ in _modes()])
 def test_every_mode_equals_the_reference(name, blob):
     pv, grids, _ = Preprocessor(MEDIA)([blob])
-    ref, grid = reference_processor(blob)
+    ref, grid = reference_pixels(blob)
     assert grids.tolist() == [grid]
     assert pv.dtype.is_floating_point and pv.numpy().dtype == np.float32
     np.testing.assert_array_equal(pv.numpy(), ref)
@@ -68,7 +53,7 @@ def test_every_mode_equals_the_reference(name, blob):
 def test_sizes_and_padding_equal_the_reference(size):
     blob = encode(photo_like(*size, seed=size[0]), "PNG")
     pv, grids, plans = Preprocessor(MEDIA)([blob])
-    ref, grid = reference_processor(blob)
+    ref, grid = reference_pixels(blob)
     assert grids.tolist() == [grid]
     np.testing.assert_array_equal(pv.numpy(), ref)
     if plans[0].plan.pad_width or plans[0].plan.pad_height:
@@ -79,7 +64,7 @@ def test_sizes_and_padding_equal_the_reference(size):
 def test_batch_concatenates_in_prompt_order():
     blobs = [encode(photo_like(300, 200, seed=1), "JPEG"), encode(text_card(), "PNG"), encode(photo_like(50, 90), "PNG")]
     pv, grids, _ = Preprocessor(MEDIA)(blobs)
-    refs = [reference_processor(b) for b in blobs]
+    refs = [reference_pixels(b) for b in blobs]
     np.testing.assert_array_equal(pv.numpy(), np.concatenate([r for r, _ in refs]))
     assert grids.tolist() == [g for _, g in refs]
 
@@ -138,7 +123,7 @@ def test_video_chunk_and_image_in_one_request_equal_the_reference():
     still = encode(photo_like(1200, 900, seed=9), "PNG")
     pv, grids, plans = Preprocessor(MEDIA)(frames + [still], media_frames=[3, 0])
     chunk, chunk_grid = reference_video_chunk(frames)
-    image, image_grid = reference_processor(still)
+    image, image_grid = reference_pixels(still)
     assert grids.tolist() == [chunk_grid, image_grid]
     # per-frame limit 4096 (floor-divided counts): 1200x900 -> 1041x780, padded to a 56x76 grid;
     # as a still image it keeps 1200x900 -> 66x86.
@@ -179,5 +164,5 @@ def test_a_frame_that_fails_to_decode_among_parallel_decodes_names_itself():
     with pytest.raises(RequestError, match=r"image 2: decoding failed"):
         Preprocessor(MEDIA)(good[:2] + [cut] + good[2:])
     pv, grids, _ = Preprocessor(MEDIA)(good)
-    refs = [reference_processor(b) for b in good]
+    refs = [reference_pixels(b) for b in good]
     np.testing.assert_array_equal(pv.numpy(), np.concatenate([r for r, _ in refs]))

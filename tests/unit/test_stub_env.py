@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from backends.deploy import server
+from backends.deploy import launcher, stub_env
 
 
 def _fake_numpy(root, version):
@@ -20,33 +20,33 @@ def _fake_numpy(root, version):
 
 def test_stub_env_puts_kimi_stub_site_first_and_finds_backends(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "site", "1.99.0")))
-    bin_dir = server.prepare_stub_env(tmp_path / "env")
+    bin_dir = stub_env.prepare_stub_env(tmp_path / "env")
     out = subprocess.run([str(bin_dir / "python3"), "-E", "-c",
                           "import numpy, backends, sys; print(numpy.__version__); print(backends.__file__)"],
                          capture_output=True, text=True, check=True, cwd=tmp_path)
     version, backends_file = out.stdout.split()
     assert version == "1.99.0"  # KIMI_STUB_SITE wins over our own numpy
-    assert backends_file.startswith(str(server.REPO_ROOT))  # found without relying on the working directory
-    assert server.stub_numpy_version(bin_dir) == "1.99.0"
+    assert backends_file.startswith(str(stub_env.REPO_ROOT))  # found without relying on the working directory
+    assert stub_env.stub_numpy_version(bin_dir) == "1.99.0"
 
 
 def test_stub_env_without_override_sees_our_numpy(tmp_path, monkeypatch):
     import numpy
 
     monkeypatch.delenv("KIMI_STUB_SITE", raising=False)
-    assert server.stub_numpy_version(server.prepare_stub_env(tmp_path / "env")) == numpy.__version__
+    assert stub_env.stub_numpy_version(stub_env.prepare_stub_env(tmp_path / "env")) == numpy.__version__
 
 
 def test_numpy_2_in_the_stub_is_refused_with_a_clear_error():
-    server.check_stub_numpy("1.26.4")
+    stub_env.check_stub_numpy("1.26.4")
     with pytest.raises(RuntimeError, match=r"numpy 2\.5\.0.*numpy<2.*KIMI_STUB_SITE"):
-        server.check_stub_numpy("2.5.0")
+        stub_env.check_stub_numpy("2.5.0")
 
 
 def test_server_start_refuses_a_numpy_2_stub(tmp_path, monkeypatch):
     monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "site", "2.1.0")))
-    monkeypatch.setattr(server, "STUB_ENV", tmp_path / "env")
-    srv = server.TritonServer(tmp_path / "repo", log_path=tmp_path / "log.txt")
+    monkeypatch.setattr(launcher, "STUB_ENV", tmp_path / "env")
+    srv = launcher.TritonServer(tmp_path / "repo", log_path=tmp_path / "log.txt")
     with pytest.raises(RuntimeError, match="numpy 2.1.0"):
         srv.start()
     assert srv.proc is None  # nothing was started
@@ -55,21 +55,21 @@ def test_server_start_refuses_a_numpy_2_stub(tmp_path, monkeypatch):
 def test_a_half_made_stub_env_is_rebuilt(tmp_path, monkeypatch):
     # venv writes pyvenv.cfg before bin/python3: a start interrupted (or raced) in between must not stick.
     monkeypatch.delenv("KIMI_STUB_SITE", raising=False)
-    env = server.prepare_stub_env(tmp_path / "envs").parent
+    env = stub_env.prepare_stub_env(tmp_path / "envs").parent
     (env / "bin" / "python3").unlink()
-    bin_dir = server.prepare_stub_env(tmp_path / "envs")
+    bin_dir = stub_env.prepare_stub_env(tmp_path / "envs")
     assert bin_dir.parent == env and (bin_dir / "python3").exists()
-    server.stub_numpy_version(bin_dir)
+    stub_env.stub_numpy_version(bin_dir)
 
 
 def test_servers_with_different_stub_paths_get_different_envs(tmp_path, monkeypatch):
     # A server's stubs read the .pth while their models load: another server must not rewrite it then.
     monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "a", "1.97.0")))
-    first = server.prepare_stub_env(tmp_path / "envs")
+    first = stub_env.prepare_stub_env(tmp_path / "envs")
     monkeypatch.setenv("KIMI_STUB_SITE", str(_fake_numpy(tmp_path / "b", "1.96.0")))
-    second = server.prepare_stub_env(tmp_path / "envs")
+    second = stub_env.prepare_stub_env(tmp_path / "envs")
     assert first != second
-    assert server.stub_numpy_version(first) == "1.97.0" and server.stub_numpy_version(second) == "1.96.0"
+    assert stub_env.stub_numpy_version(first) == "1.97.0" and stub_env.stub_numpy_version(second) == "1.96.0"
 
 
 def test_a_relative_kimi_stub_site_is_made_absolute(tmp_path, monkeypatch):
@@ -77,4 +77,4 @@ def test_a_relative_kimi_stub_site_is_made_absolute(tmp_path, monkeypatch):
     _fake_numpy(tmp_path / "site", "1.98.0")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KIMI_STUB_SITE", "site")
-    assert server.stub_numpy_version(server.prepare_stub_env(tmp_path / "env")) == "1.98.0"
+    assert stub_env.stub_numpy_version(stub_env.prepare_stub_env(tmp_path / "env")) == "1.98.0"

@@ -6,7 +6,7 @@
 
 On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here. The
 RoPE's exact reference on CPU is the complex product written out with separately rounded products
-(ARITH 0): torch's own CPU complex multiply is not one rounding rule (its vectorized body and scalar
+(the kernel's non-FMA branch, taken for CPU tensors): torch's own CPU complex multiply is not one rounding rule (its vectorized body and scalar
 tail differ; seen as a 1-ulp fp16 difference at a rounding midpoint), so against it we allow one ulp.
 tests/gpu/test_gpu_kernels.py asserts torch.equal to the portable path for every dtype on the GPU.
 """
@@ -27,12 +27,11 @@ CHECK = r"""
 import torch
 from backends.config import EncoderConfig
 from backends.encoder.metadata import rope_angles_table
-from backends.encoder.moonvit3d import apply_rope_portable
-from backends.kernels.rope import apply_rope_inplace, prepare_rope
+from backends.kernels.rope import apply_rope_inplace, apply_rope_portable, prepare_rope
 
 
 def exact_cpu_rotate(x, freqs):
-    # (a + bi)(c + si) with each product rounded to fp32, then one rounding to x's dtype (ARITH 0).
+    # (a + bi)(c + si) with each product rounded to fp32, then one rounding to x's dtype.
     xf = x.float().reshape(*x.shape[:-1], -1, 2)
     a, b = xf[..., 0], xf[..., 1]
     c, s = freqs.real[:, None, :], freqs.imag[:, None, :]
@@ -76,8 +75,8 @@ for heads, head_dim, per_head_qkv in ((4, 72, True), (5, 12, False), (5, 12, Tru
     check_rope(q, k, freqs, (heads, head_dim, per_head_qkv))
 
 from backends.config import MediaConfig
-from backends.kernels.patchify import normalize_patchify
-from backends.preprocess.patchify import normalization_table, pad_normalize_patchify
+from backends.kernels.patchify import normalize_patchify, pad_normalize_patchify
+from backends.preprocess.normalize import normalization_table
 from backends.preprocess.resize_rule import navit_resize
 
 media = MediaConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
@@ -85,10 +84,11 @@ table = torch.from_numpy(normalization_table(media))
 for w, h, t in [(30, 20, 1), (57, 41, 2), (28, 28, 1), (1, 1, 1), (100, 3, 4)]:
     plan = navit_resize(w, h, media, frames=t)
     img = torch.randint(0, 256, (t, h, w, 3), dtype=torch.uint8)
-    ref = pad_normalize_patchify(img, plan, table, torch.float32)
-    assert torch.equal(normalize_patchify(img, plan, table, torch.float32), ref), (w, h, t)
+    shape = (plan.patch_size, plan.padded_height, plan.padded_width)
+    ref = pad_normalize_patchify(img, table, *shape, torch.float32)
+    assert torch.equal(normalize_patchify(img, table, *shape, torch.float32), ref), (w, h, t)
     # bf16: the interpreter truncates on conversion, so within one bf16 ulp here (exact on the GPU).
-    got = normalize_patchify(img, plan, table, torch.bfloat16)
+    got = normalize_patchify(img, table, *shape, torch.bfloat16)
     torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-30)
 print("ok")
 """

@@ -62,7 +62,7 @@ def hf_model(cfg, seed: int = 0):
 
 def load_ours(model, device="cpu", dtype=None):
     """Our KimiVisionModel with the same weights, through save_pretrained and our loader."""
-    from backends.weights.loader import load_vision_model
+    from backends.weights.checkpoint import load_vision_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
@@ -103,7 +103,7 @@ def load_checkpoint_into_hf(model, checkpoint_dir) -> None:
     loader would name it, and q/k/v are cut from our fused `wqkv` (q and k re-permuted for
     rotate-half RoPE). Every checkpoint tensor must be used (wqkv three times), with the parameter's shape.
     """
-    from backends.weights.loader import VISION_PREFIXES, canonical_name, detect_block_naming, read_vision_tensors, to_canonical
+    from backends.weights.checkpoint import VISION_PREFIXES, canonical_name, detect_block_naming, read_vision_tensors, to_canonical
 
     heads = model.config.vision_config.num_attention_heads
     stored, _ = read_vision_tensors(checkpoint_dir)

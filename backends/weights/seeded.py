@@ -1,4 +1,4 @@
-"""The embedded default model: seeded random weights for the small DEMO_CONFIG tower.
+"""Seeded random weights: the embedded default model is the small DEMO_CONFIG tower filled by them.
 
 Untrained: its embeddings are deterministic but meaningless. It exists so that `make run` and the tests
 exercise the full pipeline in seconds without a 600 GB checkpoint.
@@ -27,5 +27,5 @@ def init_random_(model: torch.nn.Module, seed: int = DEMO_SEED, std: float = 0.0
     return model
 
 
-def demo_model(cfg: EncoderConfig, seed: int = DEMO_SEED) -> KimiVisionModel:
+def seeded_model(cfg: EncoderConfig, seed: int = DEMO_SEED) -> KimiVisionModel:
     return init_random_(KimiVisionModel(cfg), seed).eval()

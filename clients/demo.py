@@ -1,5 +1,8 @@
 """`make run`: start tritonserver on the embedded default, send one sample request through the
-ensemble, print the answer, stop the server."""
+ensemble, print the answer, stop the server.
+
+The one client module that starts a server (through the launcher); the client library itself
+(kimi_client.py) never imports the server's packages."""
 
 from __future__ import annotations
 
@@ -7,8 +10,8 @@ import argparse
 import os
 import time
 
+from backends.deploy.launcher import deployment_server, resolve_device
 from backends.deploy.repository import Deployment
-from backends.deploy.server import deployment_server, resolve_device
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import sample_images
 

@@ -5,7 +5,7 @@ output built from numpy - the two things the 2.51 stub was seen to get wrong on 
 inputs read as 0xA9 filler, numpy outputs arriving empty). It also reports the numpy the stub
 imported. Run it with the stub's extra path given by KIMI_STUB_SITE (e.g. a folder holding numpy<2):
 
-    KIMI_STUB_SITE=/tmp/np1 python -m bench.stub_probe
+    KIMI_STUB_SITE=/tmp/np1 python -m tools.stub_probe
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import textwrap
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from backends.deploy import server as server_module
-from backends.deploy.server import BUILD, TritonServer, free_port
+from backends.deploy.launcher import BUILD, Ports, TritonServer
 
 CONFIG = """
 name: "echo"
@@ -76,8 +75,6 @@ def main(argv=None) -> int:
     ap.add_argument("--allow-numpy2", action="store_true",
                     help="start the server even if the stub would import numpy >= 2 (to show what goes wrong)")
     args = ap.parse_args(argv)
-    if args.allow_numpy2:
-        server_module.check_stub_numpy = lambda version: None
     repo = BUILD / "stub-probe"
     shutil.rmtree(repo, ignore_errors=True)
     (repo / "echo" / "1").mkdir(parents=True)
@@ -87,8 +84,8 @@ def main(argv=None) -> int:
     cases = {"small": [b"\x07abc", b"\x09" * 10], "2MB": [bytes([5]) + rng.bytes(2_000_000)]}
     for name, blobs in cases.items():
         # A fresh server per case: a stub that crashed on one case would fail the next for that reason.
-        server = TritonServer(repo, http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
-                              log_path=BUILD / f"tritonserver-stub-probe-{name}.log")
+        server = TritonServer(repo, ports=Ports.free(), log_path=BUILD / f"tritonserver-stub-probe-{name}.log",
+                              allow_numpy2=args.allow_numpy2)
         with server:
             print(f"STUB_PROBE {args.label} case={name} {probe(server, blobs)}", flush=True)
         if "terminate called" in server.log_tail(20000):

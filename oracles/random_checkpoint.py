@@ -1,9 +1,9 @@
 """Write a random Kimi-K2.5-sized vision checkpoint in the original layout (config.json with `vt_*`
 names, bf16 safetensors, sharded with an index, plus a language-model shard the loader must skip).
 
-For benchmarks through tritonserver (`--checkpoint`): real shapes, seeded random weights.
+For tests and benchmarks through tritonserver (`--checkpoint`): real shapes, seeded random weights.
 
-    python -m bench.make_checkpoint /tmp/kimi-random [--layers 27]
+    python -m oracles.random_checkpoint /tmp/kimi-random [--layers 27]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from backends.config import EncoderConfig
 from backends.encoder.moonvit3d import KimiVisionModel
-from backends.weights.demo import init_random_
+from backends.weights.seeded import init_random_
 
 
 def write_checkpoint(out: Path, cfg: EncoderConfig = EncoderConfig(), dtype=torch.bfloat16, std: float = 0.02) -> Path:

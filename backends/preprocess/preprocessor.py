@@ -1,0 +1,134 @@
+"""Encoded images -> (PIXEL_VALUES, GRID_THWS): decode, navit resize, pad, normalize, patchify.
+
+Each image is opened once: its header gives the size for the plan (media.py), and the same handle is
+decoded. On CPU the resize is Pillow itself (the reference). On a GPU the decoded uint8 frame is
+uploaded and resized by `bicubic.resize_bicubic`, which equals Pillow bit for bit, and one Triton
+kernel pads, normalizes and patchifies it (kernels/patchify.py).
+
+Decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead of
+the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
+request decodes in parallel, and the values cannot change (each frame is decoded on its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from PIL import Image
+
+from backends.config import Limits, MediaConfig
+from backends.kernels import patchify
+from backends.preprocess.bicubic import resize_bicubic
+from backends.preprocess.decode import decode_rgb, open_image
+from backends.preprocess.media import MediaPlan, check_image_count, plan_media
+from backends.preprocess.normalize import normalization_table
+from backends.preprocess.resize_rule import ResizePlan
+
+
+def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
+    """The checkpoint's own resize call: Pillow BICUBIC on the uint8 RGB image."""
+    if img.size == (width, height):
+        return img
+    return img.resize((width, height), resample=Image.Resampling.BICUBIC)
+
+
+# Host decode threads, shared by every Preprocessor in the process, and frames decoded ahead.
+DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1)))
+DECODE_AHEAD = DECODE_THREADS
+_POOL_LOCK = threading.Lock()
+
+
+class Preprocessor:
+    """Stateful only in its normalization table (built once, kept on the target device)."""
+
+    _pool: ThreadPoolExecutor | None = None
+
+    def __init__(self, media: MediaConfig, limits: Limits = Limits(), device: str | torch.device = "cpu",
+                 out_dtype: torch.dtype = torch.float32, resize: str | None = None):
+        self.media = media
+        self.limits = limits
+        self.device = torch.device(device)
+        self.out_dtype = out_dtype
+        # "pillow" on CPU (it is the reference and fast there), "torch" (our exact port) elsewhere.
+        self.resize = resize or ("pillow" if self.device.type == "cpu" else "torch")
+        if self.resize not in ("pillow", "torch"):
+            raise ValueError(f"resize must be 'pillow' or 'torch', got {self.resize!r}")
+        self.table = torch.from_numpy(normalization_table(media)).to(self.device)
+
+    def open(self, blobs: Sequence[bytes]) -> list[Image.Image]:
+        """Every image's header (garbage and bombs are refused here, before any pixel is decoded)."""
+        check_image_count(len(blobs), self.limits)
+        return [open_image(b, i, self.limits.max_image_pixels) for i, b in enumerate(blobs)]
+
+    def plan(self, images: Sequence[Image.Image], media_frames=None) -> list[MediaPlan]:
+        return plan_media([img.size for img in images], self.media, self.limits, media_frames)
+
+    def host_frame(self, img: Image.Image, index: int, plan: ResizePlan) -> np.ndarray:
+        """The host part of a frame (thread-safe; Pillow drops the GIL): decoded, and on the Pillow
+        path resized, as an (h, w, 3) uint8 array."""
+        rgb = decode_rgb(img, index)
+        if self.resize == "pillow":
+            rgb = resize_pillow(rgb, plan.width, plan.height)
+        return np.array(rgb)  # a writable copy: torch.from_numpy wants one
+
+    def device_frame(self, array: np.ndarray, plan: ResizePlan) -> torch.Tensor:
+        """The rest: (h, w, 3) uint8 on the target device, resized."""
+        pixels = torch.from_numpy(array)
+        if self.resize == "pillow":
+            return pixels.to(self.device)
+        if self.device.type == "cuda":
+            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
+        return resize_bicubic(pixels, plan.width, plan.height)
+
+    def _frames(self, images: Sequence[Image.Image], plans: list[MediaPlan]):
+        """Every frame of every media in order, host work done up to DECODE_AHEAD frames ahead."""
+        jobs = [(i, m.plan) for m in plans for i in m.frames]
+        if len(jobs) <= 1:
+            yield from (self.device_frame(self.host_frame(images[i], i, plan), plan) for i, plan in jobs)
+            return
+        with _POOL_LOCK:  # concurrent first calls must not each start a pool (idle threads never exit)
+            if Preprocessor._pool is None:
+                Preprocessor._pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="kimi-decode")
+        pending: deque = deque()
+        try:
+            for n, (i, plan) in enumerate(jobs):
+                # Bounded: at most DECODE_AHEAD decoded frames wait in memory.
+                while len(pending) < DECODE_AHEAD and n + len(pending) < len(jobs):
+                    j, p = jobs[n + len(pending)]
+                    pending.append(Preprocessor._pool.submit(self.host_frame, images[j], j, p))
+                yield self.device_frame(pending.popleft().result(), plan)
+        finally:
+            for f in pending:  # a failed frame: do not decode the rest
+                f.cancel()
+
+    def __call__(self, blobs: Sequence[bytes], media_frames=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
+        """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans."""
+        images = self.open(blobs)
+        plans = self.plan(images, media_frames)
+        chunks = []
+        # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
+        # garbage collection (the traceback keeps this frame, and so the generator, alive).
+        with contextlib.closing(self._frames(images, plans)) as frames_in_order:
+            for m in plans:
+                frames = [next(frames_in_order) for _ in m.frames]
+                pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
+                chunks.append(self._patchify(pixels, m.plan))
+        p = self.media.patch_size
+        pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
+        grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
+        return pixel_values, grid_thws, plans
+
+    def _patchify(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+        if tuple(pixels.shape[-3:]) != (plan.height, plan.width, 3):
+            raise ValueError(f"expected {plan.height}x{plan.width}x3 pixels for this plan, got {tuple(pixels.shape)}")
+        args = (pixels, self.table, plan.patch_size, plan.padded_height, plan.padded_width, self.out_dtype)
+        if patchify.can_use(pixels):  # one kernel on the GPU, same values as the torch reference
+            return patchify.normalize_patchify(*args)
+        return patchify.pad_normalize_patchify(*args)

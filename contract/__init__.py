@@ -1,0 +1,46 @@
+"""The service's contract, shared by the server and its clients: token ids, model names, tensor names.
+
+Standard library only, so that a client imports it without torch, Pillow or the server's packages.
+Every other module takes these names from here (docs/kimi_k25.md#token-ids for the ids).
+"""
+
+from __future__ import annotations
+
+# Special tokens of the released Kimi-K2.5 tokenizer. `<|media_pad|>` is the one placeholder per image
+# (or video chunk); a checkpoint's config.json may name another id, which the server then uses.
+MEDIA_PAD = 163605
+MEDIA_BEGIN = 163602
+MEDIA_CONTENT = 163603
+MEDIA_END = 163604
+
+# Model names in the repository.
+ENSEMBLE = "kimi_k25_vision"
+# The same pipeline with a batch dimension of 1 in front of every tensor: the server batches such
+# requests across clients so that their images share one encoder forward.
+BATCHED_ENSEMBLE = "kimi_k25_vision_batched"
+PLACEHOLDER = "kimi_placeholder"
+PREPROCESS = "kimi_preprocess"
+ENCODER = "moonvit3d"
+# Batching twins of the first two steps for the batched ensemble (every model of a batching ensemble
+# must batch); they run the same code as their base models.
+PLACEHOLDER_BATCHED = "kimi_placeholder_batched"
+PREPROCESS_BATCHED = "kimi_preprocess_batched"
+
+# Ensemble inputs and outputs (names, Triton datatypes, dims without a batch dimension).
+INPUT_IDS, IMAGES, MEDIA_FRAMES = "INPUT_IDS", "IMAGES", "MEDIA_FRAMES"
+EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS = "EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS"
+# Between the steps.
+PIXEL_VALUES = "PIXEL_VALUES"
+
+INPUTS = (INPUT_IDS, IMAGES, MEDIA_FRAMES)
+OUTPUTS = (EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS)
+OPTIONAL_INPUTS = (MEDIA_FRAMES,)
+
+
+def chat_prompt_ids(num_media: int, text_ids=(1, 2, 3)) -> list[int]:
+    """A minimal prompt: each media as <|media_begin|> <|media_content|> <|media_pad|> <|media_end|>,
+    then some text ids. Real clients send their tokenizer's ids with one <|media_pad|> per media."""
+    ids: list[int] = []
+    for _ in range(num_media):
+        ids += [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END]
+    return ids + list(text_ids)

@@ -1,0 +1,6 @@
+"""Independent references and shared fixtures for tests and benchmarks (neither owns them).
+
+- transformers_kimi: transformers' own Kimi-K2.5 model, the encoder's oracle;
+- checkpoint_processor: the checkpoint processor's pixel arithmetic restated with Pillow + numpy;
+- random_checkpoint: seeded random checkpoints in the original on-disk layout.
+"""
