@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Render the repository for this device and checkpoint, then exec tritonserver with production flags.
+# The container's entrypoint is our launcher: the same rendering, CUDA pool sizing and stub environment
+# as `make serve`, on the image's own tritonserver. Extra arguments go to tritonserver.
 set -euo pipefail
 ckpt=""
-[[ -f "${CHECKPOINT_DIR}/config.json" ]] && ckpt="${CHECKPOINT_DIR}"
-python3 -m backends.deploy.repository --device "${DEVICE}" --checkpoint "${ckpt}" --out /tmp/model_repository
-pool=()
-[[ "${DEVICE}" == gpu ]] && pool=(--cuda-memory-pool-byte-size=0:$((2 << 30)))
-exec tritonserver --model-repository=/tmp/model_repository --model-control-mode=none \
-    --strict-readiness=true --exit-on-error=true --disable-auto-complete-config "${pool[@]}" "$@"
+[[ -f "${KIMI_VISION_CHECKPOINT:-/checkpoint}/config.json" ]] && ckpt="${KIMI_VISION_CHECKPOINT:-/checkpoint}"
+exec python3 -m backends.deploy.launcher --tritonserver /opt/tritonserver/bin/tritonserver \
+    --device "${KIMI_DEVICE:-gpu}" --checkpoint "${ckpt}" --repository-dir /tmp/model_repository -- "$@"

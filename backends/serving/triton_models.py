@@ -214,7 +214,7 @@ class EncoderModel(_Adapter):
         from backends.weights.load import load_model
 
         model, _ = load_model(self.settings.checkpoint, self.settings.device,
-                              dtype=_out_dtype(self.config, "IMAGE_EMBEDS"))
+                              dtype=_out_dtype(self.config, "IMAGE_EMBEDS"), config=self.settings.vision)
         self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
 
     def execute(self, requests):

@@ -380,13 +380,15 @@ def build_model(cfg: EncoderConfig, state: dict[str, torch.Tensor], device, dtyp
 
 
 def load_vision_model(checkpoint_dir: str | Path, device: str | torch.device = "cpu",
-                      dtype: torch.dtype | None = None) -> tuple[KimiVisionModel, VisionConfig]:
+                      dtype: torch.dtype | None = None,
+                      config: VisionConfig | None = None) -> tuple[KimiVisionModel, VisionConfig]:
     """Read config + vision weights from a checkpoint directory and build the model.
 
-    dtype None: float32 on CPU, the checkpoint's dtype on other devices. Raises ValueError naming the
-    tensor and both shapes on any missing / unexpected / mis-shaped tensor.
+    dtype None: float32 on CPU, the checkpoint's dtype on other devices. `config`: the checkpoint's
+    config if the caller has it already (a served model reads it from its model config). Raises
+    ValueError naming the tensor and both shapes on any missing / unexpected / mis-shaped tensor.
     """
-    cfg = load_checkpoint_config(checkpoint_dir)
+    cfg = config or load_checkpoint_config(checkpoint_dir)
     check_placeholder_id(checkpoint_dir, cfg.tokens.media_pad)
     stored, _ = read_vision_tensors(checkpoint_dir)
     state, source = to_canonical(stored, cfg.encoder.num_heads)

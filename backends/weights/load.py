@@ -7,8 +7,10 @@ import torch
 from backends.config import DEMO_CONFIG, VisionConfig
 
 
-def load_model(checkpoint: str, device: str = "cpu", dtype: torch.dtype | None = None):
-    """(KimiVisionModel in eval mode on `device`, VisionConfig). Empty `checkpoint` = the demo model."""
+def load_model(checkpoint: str, device: str = "cpu", dtype: torch.dtype | None = None,
+               config: VisionConfig | None = None):
+    """(KimiVisionModel in eval mode on `device`, VisionConfig). Empty `checkpoint` = the demo model;
+    `config` = the checkpoint's config when the caller has it already."""
     if not checkpoint:
         from backends.weights.seeded import seeded_model
 
@@ -16,7 +18,7 @@ def load_model(checkpoint: str, device: str = "cpu", dtype: torch.dtype | None =
         return model.to(device=device, dtype=dtype or torch.float32), DEMO_CONFIG
     from backends.weights.checkpoint import load_vision_model
 
-    return load_vision_model(checkpoint, device=device, dtype=dtype)
+    return load_vision_model(checkpoint, device=device, dtype=dtype, config=config)
 
 
 __all__ = ["load_model", "VisionConfig"]

@@ -14,7 +14,7 @@ from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
 # What Triton logs when an intermediate tensor does not fit its CUDA pool: the next step then
-# silently receives zeros (../shared/docs/triton_notes.md §3).
+# silently receives zeros (docs/triton_runtime.md#gpu-tensors-between-steps).
 PLACEMENT_FAILURES = ("failed to copy data", "falling back to pinned system memory")
 
 

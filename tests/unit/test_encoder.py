@@ -1,4 +1,4 @@
-"""MoonViT3d pieces against direct re-statements of the reference (doc §3), and the batching step."""
+"""MoonViT3d pieces against direct re-statements of the reference (docs/kimi_k25.md#encoder), and the batching step."""
 
 import numpy as np
 import pytest

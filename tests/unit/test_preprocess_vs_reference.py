@@ -1,6 +1,6 @@
 """Pixels against an independent re-statement of the checkpoint processor (Pillow + numpy).
 
-The oracle below is written from the reference doc (§1.3-1.5), not from our code: Image.open +
+The oracle (oracles/checkpoint_processor.py) is written from docs/kimi_k25.md, not from our code: Image.open +
 convert("RGB"), Image.resize(BICUBIC), np.pad with zeros, (x/255).astype(float32) - mean, * 1/std,
 then the navit_patchify reshape/transpose. Equality is exact.
 """
@@ -99,7 +99,7 @@ def test_limits_are_enforced_with_their_names():
 
 
 def reference_video_chunk(blobs, media: MediaConfig = MEDIA):
-    """Reference chunk processing (doc §1.7): plan from the first frame with the per-frame patch
+    """Reference chunk processing (docs/kimi_k25.md#video-chunks): plan from the first frame with the per-frame patch
     limit, resize every frame to that size, pad, normalize, patchify t-major."""
     frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
     plan = navit_resize(frames[0].width, frames[0].height, media, patch_limit=media.in_patch_limit_each_frame)

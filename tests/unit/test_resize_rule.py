@@ -1,4 +1,4 @@
-"""The navit resize rule against the table computed in the reference doc (§1.2)."""
+"""The navit resize rule against the table in docs/kimi_k25.md#resize-rule."""
 
 import pytest
 
@@ -31,7 +31,7 @@ def test_reference_table(src, resized, pad, grid, tokens):
 
 def test_never_upscales_and_tokens_can_exceed_limit_over_four():
     plan = navit_resize(7080, 489, K25)
-    assert plan.num_tokens == 4446  # the maximum found by the reference doc's random search
+    assert plan.num_tokens == 4446  # the maximum a random search found (docs/kimi_k25.md#resize-rule)
     assert plan.grid_thw == (1, 36, 494)
     small = navit_resize(30, 20, K25)
     assert (small.width, small.height) == (30, 20)
