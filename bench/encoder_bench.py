@@ -70,8 +70,6 @@ def encoder_section(args, peak: float, lines: list, results: dict) -> None:
             t_ref = cuda_time_ms(lambda: hf.get_image_features(pixels, image_grid_thw=grid_t), iters=args.iters)
         results[case] = {"transformers_sdpa_ms": t_ref, "flops": flops}
         rows.append((case, "transformers SDPA", t_ref, flops / (t_ref * 1e-3) / 1e12 / peak, 1.0, 0.0))
-        # Compiled blocks (KimiVisionModel.compile_blocks) measured no faster than eager on the H200
-        # (bench/results/h200-2026-11-30/encoder_bench.md as of commit c9e1420): no longer measured.
         variants = [(b, True) for b in backends] + [(backends[0], False)]
         for backend, fused in variants:
             out = ours(pixels, grid_np, attn_backend=backend, fused_rope=fused)
