@@ -13,6 +13,7 @@ this process owns (the co-located LLM reads it without a host copy) and is avail
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ BATCHED_MODEL = contract.BATCHED_ENSEMBLE
 
 @dataclass
 class VisionResult:
-    expanded_ids: np.ndarray  # (L',) int64
+    """What came back; an output the request did not ask for is None."""
+
+    expanded_ids: np.ndarray | None  # (L',) int64
     image_embeds: np.ndarray | None  # (tokens, text_hidden) float32 (BF16 widened); None from infer_into
-    grid_thws: np.ndarray  # (M, 3) int64
-    token_counts: np.ndarray  # (M,) int64
+    grid_thws: np.ndarray | None  # (M, 3) int64
+    token_counts: np.ndarray | None  # (M,) int64
     cuda_embeds: object = None  # torch tensor on the GPU with shm="cuda" and from infer_into
 
     def checksum(self) -> str:
@@ -39,13 +42,17 @@ class VisionResult:
         return hashlib.sha256(np.ascontiguousarray(self.image_embeds, dtype=np.float32).tobytes()).hexdigest()[:16]
 
     def summary(self) -> str:
-        lines = [f"expanded length: {self.expanded_ids.shape[0]} ids"]
-        for i, (grid, n) in enumerate(zip(self.grid_thws.tolist(), self.token_counts.tolist())):
-            kind = "image" if grid[0] == 1 else f"video chunk ({grid[0]} frames)"
-            lines.append(f"media {i} ({kind}): grid_thw {tuple(grid)} -> {n} tokens")
+        lines = []
+        if self.expanded_ids is not None:
+            lines.append(f"expanded length: {self.expanded_ids.shape[0]} ids")
+        if self.grid_thws is not None and self.token_counts is not None:
+            for i, (grid, n) in enumerate(zip(self.grid_thws.tolist(), self.token_counts.tolist())):
+                kind = "image" if grid[0] == 1 else f"video chunk ({grid[0]} frames)"
+                lines.append(f"media {i} ({kind}): grid_thw {tuple(grid)} -> {n} tokens")
         e = self.image_embeds
-        lines.append(f"image embeds: shape {tuple(e.shape)} {e.dtype}, sum {float(e.sum(dtype=np.float64)):.6f}, "
-                     f"sha256 {self.checksum()}")
+        if e is not None:
+            lines.append(f"image embeds: shape {tuple(e.shape)} {e.dtype}, sum {float(e.sum(dtype=np.float64)):.6f}, "
+                         f"sha256 {self.checksum()}")
         return "\n".join(lines)
 
 
@@ -58,13 +65,24 @@ def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:
     return np.array(list(images), dtype=np.object_).reshape(-1)
 
 
+# tritonserver answers an unregister that comes right after an infer that used the region with "it is
+# currently in use" about one time in ten (the response still holds it for a moment): retry, for this
+# long, and never leave a region registered silently (docs/triton_runtime.md#known-server-limitations).
+UNREGISTER_RETRY_S = 10.0
+
+
 class KimiVisionClient:
-    def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False):
-        """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server)."""
+    def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False,
+                 headers: dict[str, str] | None = None):
+        """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server).
+        headers: sent with every call, e.g. the key of a server whose shared-memory API is restricted
+        (HTTP: the header itself; gRPC: tritonclient sends it as metadata, spelled
+        `triton-grpc-protocol-<key>` for a restricted protocol group)."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.protocol, self.batched = protocol, batched
         self.model = model or (BATCHED_MODEL if batched else MODEL)
+        self.headers = dict(headers or {})
         if protocol == "grpc":
             import tritonclient.grpc as tc
         else:
@@ -76,32 +94,38 @@ class KimiVisionClient:
         self.client.close()
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
-              shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None) -> VisionResult:
+              shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
+              outputs: Sequence[str] = OUTPUTS) -> VisionResult:
         """One request through the ensemble.
 
         media_frames: None when every image is a still image; else one entry per media in prompt
         order, 0 for an image and t (1..4) for a video chunk whose t frames are the next t images.
+        outputs: the ensemble outputs to ask for (any non-empty subset of contract.OUTPUTS); the
+        others come back as None and the server skips the steps only they need.
         output_capacity bounds IMAGE_EMBEDS in the shared-memory modes (256 MiB: ~9k FP32 rows of the
-        real model's 7168; raise it for larger requests). timeout_s applies to gRPC; an HTTP client's
-        timeouts are set on tritonclient.http.InferenceServerClient.
+        real model's 7168; raise it for larger requests). timeout_s applies to gRPC (a deadline: the
+        server drops the request's remaining work); an HTTP client's timeouts are set on
+        tritonclient.http.InferenceServerClient.
         """
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
+        wanted = _check_outputs(outputs)
         if shm == "none":
-            return self._infer_plain(ids, blobs, frames, timeout_s)
+            return self._infer_plain(ids, blobs, frames, timeout_s, wanted)
         if shm == "system":
-            return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s)
+            return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         if shm == "cuda":
-            return self._infer_cuda_shm(ids, blobs, frames, output_capacity, timeout_s)
+            return self._infer_cuda_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         raise ValueError(f"shm must be 'none', 'system' or 'cuda', got {shm!r}")
 
     def infer_into(self, region: "CudaOutputRegion", input_ids, images: Sequence[bytes], *,
-                   media_frames: Sequence[int] | None = None, timeout_s: float | None = None) -> VisionResult:
+                   media_frames: Sequence[int] | None = None, timeout_s: float | None = None,
+                   outputs: Sequence[str] = OUTPUTS) -> VisionResult:
         """One request whose IMAGE_EMBEDS the server writes into `region`, a CUDA buffer registered once
         (what a co-located LLM does: no allocation, registration or copy per request). The result's
         `cuda_embeds` is a view into the region, valid until the next request into it; `image_embeds`
         is None (nothing is copied to the host)."""
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
-        return self._infer_into(region, ids, blobs, frames, timeout_s)
+        return self._infer_into(region, ids, blobs, frames, timeout_s, _check_outputs(outputs))
 
     def _shape(self, array: np.ndarray) -> list[int]:
         return ([1] if self.batched else []) + list(array.shape)
@@ -117,6 +141,13 @@ class KimiVisionClient:
             array = array.astype(np.float32)
         return array[0] if self.batched else array
 
+    def _result(self, r, wanted, **given) -> VisionResult:
+        fields = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
+                  "IMAGE_TOKEN_COUNTS": "token_counts"}
+        values = {field: (self._output(r, name) if name in wanted else None) for name, field in fields.items()}
+        values.update(given)
+        return VisionResult(**values)
+
     def _inputs(self, ids, blobs):
         a = self.tc.InferInput("INPUT_IDS", self._shape(ids), "INT64")
         b = self.tc.InferInput("IMAGES", self._shape(blobs), "BYTES")
@@ -128,17 +159,21 @@ class KimiVisionClient:
             f.set_data_from_numpy(self._batch(frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
+        if self.headers:
+            kwargs["headers"] = self.headers
         return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
 
-    def _infer_plain(self, ids, blobs, frames, timeout_s):
+    def _requested(self, wanted):
+        return [self.tc.InferRequestedOutput(n) for n in wanted]
+
+    def _infer_plain(self, ids, blobs, frames, timeout_s, wanted):
         a, b = self._inputs(ids, blobs)
         a.set_data_from_numpy(self._batch(ids))
         b.set_data_from_numpy(self._batch(blobs))
-        outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
-        r = self._call([a, b], frames, outputs, timeout_s)
-        return VisionResult(*(self._output(r, n) for n in OUTPUTS))
+        r = self._call([a, b], frames, self._requested(wanted), timeout_s)
+        return self._result(r, wanted)
 
-    def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s):
+    def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
         import tritonclient.utils.shared_memory as shm
         from tritonclient.utils import serialize_byte_tensor
 
@@ -146,69 +181,117 @@ class KimiVisionClient:
         serialized = serialize_byte_tensor(blobs)
         serialized = serialized.item() if serialized.size else b""
         in_size = ids.nbytes + len(serialized)
-        regions = []
-        try:
-            in_name, out_name = f"kimi_in_{tag}", f"kimi_out_{tag}"
+        in_name, out_name = f"kimi_in_{tag}", f"kimi_out_{tag}"
+        with _Cleanup(self) as cleanup:
             h_in = shm.create_shared_memory_region(in_name, f"/{in_name}", max(in_size, 1))
-            regions.append((in_name, h_in))
+            cleanup.destroy(lambda: shm.destroy_shared_memory_region(h_in))
             h_out = shm.create_shared_memory_region(out_name, f"/{out_name}", capacity)
-            regions.append((out_name, h_out))
+            cleanup.destroy(lambda: shm.destroy_shared_memory_region(h_out))
             shm.set_shared_memory_region(h_in, [ids])
             if serialized:
                 shm.set_shared_memory_region(h_in, [np.frombuffer(serialized, dtype=np.uint8)], offset=ids.nbytes)
-            self.client.register_system_shared_memory(in_name, f"/{in_name}", max(in_size, 1))
-            self.client.register_system_shared_memory(out_name, f"/{out_name}", capacity)
+            for name, size in ((in_name, max(in_size, 1)), (out_name, capacity)):
+                self.client.register_system_shared_memory(name, f"/{name}", size, **self._h())
+                cleanup.unregister(name, "system")
             a, b = self._inputs(ids, blobs)
             a.set_shared_memory(in_name, ids.nbytes)
             if serialized:
                 b.set_shared_memory(in_name, len(serialized), offset=ids.nbytes)
             else:
                 b.set_data_from_numpy(self._batch(blobs))
-            outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
-            outputs[1].set_shared_memory(out_name, capacity)
-            r = self._call([a, b], frames, outputs, timeout_s)
-            shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
-            embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
-            return VisionResult(self._output(r, "EXPANDED_IDS"), embeds[0] if self.batched else embeds,
-                                self._output(r, "GRID_THWS"), self._output(r, "IMAGE_TOKEN_COUNTS"))
-        finally:
-            for name, handle in regions:  # each step on its own: one failure must not leak the rest
-                try:
-                    self.client.unregister_system_shared_memory(name)
-                except Exception:  # noqa: BLE001 - best effort cleanup
-                    pass
-                try:
-                    shm.destroy_shared_memory_region(handle)
-                except Exception:  # noqa: BLE001
-                    pass
+            requested = self._requested(wanted)
+            if "IMAGE_EMBEDS" in wanted:
+                requested[wanted.index("IMAGE_EMBEDS")].set_shared_memory(out_name, capacity)
+            r = self._call([a, b], frames, requested, timeout_s)
+            embeds = None
+            if "IMAGE_EMBEDS" in wanted:
+                shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
+                embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
+                embeds = embeds[0] if self.batched else embeds
+            return self._result(r, [n for n in wanted if n != "IMAGE_EMBEDS"], image_embeds=embeds)
 
-    def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s):
+    def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
         region = CudaOutputRegion(self, capacity)
         try:
-            result = self._infer_into(region, ids, blobs, frames, timeout_s)
-            embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
-            result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
+            result = self._infer_into(region, ids, blobs, frames, timeout_s, wanted)
+            if result.cuda_embeds is not None:
+                embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
+                result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
             return result
         finally:
             region.close()
 
-    def _infer_into(self, region: "CudaOutputRegion", ids, blobs, frames, timeout_s) -> VisionResult:
+    def _infer_into(self, region: "CudaOutputRegion", ids, blobs, frames, timeout_s, wanted) -> VisionResult:
         a, b = self._inputs(ids, blobs)
         a.set_data_from_numpy(self._batch(ids))
         b.set_data_from_numpy(self._batch(blobs))
-        outputs = [self.tc.InferRequestedOutput(n) for n in OUTPUTS]
-        outputs[OUTPUTS.index("IMAGE_EMBEDS")].set_shared_memory(region.name, region.capacity)
-        r = self._call([a, b], frames, outputs, timeout_s)
-        embeds = region.embeds(r)
-        return VisionResult(self._output(r, "EXPANDED_IDS"), None, self._output(r, "GRID_THWS"),
-                            self._output(r, "IMAGE_TOKEN_COUNTS"), cuda_embeds=embeds[0] if self.batched else embeds)
+        requested = self._requested(wanted)
+        if "IMAGE_EMBEDS" in wanted:
+            requested[wanted.index("IMAGE_EMBEDS")].set_shared_memory(region.name, region.capacity)
+        r = self._call([a, b], frames, requested, timeout_s)
+        embeds = None
+        if "IMAGE_EMBEDS" in wanted:
+            embeds = region.embeds(r)
+            embeds = embeds[0] if self.batched else embeds
+        return self._result(r, [n for n in wanted if n != "IMAGE_EMBEDS"], image_embeds=None, cuda_embeds=embeds)
+
+    def _h(self) -> dict:
+        return {"headers": self.headers} if self.headers else {}
+
+    def unregister(self, name: str, kind: str) -> None:
+        """Unregister a shared-memory region, retrying while the server still holds it; raises if it
+        is still registered after UNREGISTER_RETRY_S."""
+        call = (self.client.unregister_system_shared_memory if kind == "system"
+                else self.client.unregister_cuda_shared_memory)
+        deadline, delay = time.monotonic() + UNREGISTER_RETRY_S, 0.005
+        while True:
+            try:
+                call(name, **self._h())
+                return
+            except Exception as exc:  # noqa: BLE001 - only "in use" is worth waiting for
+                if "in use" not in str(exc) or time.monotonic() > deadline:
+                    raise RuntimeError(f"could not unregister {kind} shared-memory region {name}: {exc}") from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+
+class _Cleanup:
+    """Undo a request's shared-memory set-up in reverse order, each step on its own. A cleanup failure
+    is raised when the request itself succeeded, and attached as a note when it failed (the request's
+    own error comes first)."""
+
+    def __init__(self, client: KimiVisionClient):
+        self.client, self.steps = client, []
+
+    def unregister(self, name: str, kind: str) -> None:
+        self.steps.append(lambda: self.client.unregister(name, kind))
+
+    def destroy(self, fn) -> None:
+        self.steps.append(fn)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        errors = []
+        for step in reversed(self.steps):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - keep undoing the rest
+                errors.append(e)
+        if errors and exc is None:
+            raise errors[0]
+        if errors:
+            exc.add_note(f"cleanup also failed: {errors[0]}")
+        return False
 
 
 class CudaOutputRegion:
     """A CUDA buffer of this process for IMAGE_EMBEDS, registered with the server (CUDA IPC, same host).
 
     `KimiVisionClient.infer_into` reuses one across requests; `infer(shm="cuda")` makes one per call.
-    Close it when done: that unregisters it and frees the buffer.
+    Close it when done: that unregisters it (retrying while the server still holds it) and frees the
+    buffer.
     """
 
     def __init__(self, client: KimiVisionClient, capacity: int, device_id: int = 0):
@@ -222,7 +305,7 @@ class CudaOutputRegion:
         self.handle = cudashm.create_shared_memory_region(self.name, capacity, device_id)
         try:
             client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id,
-                                                      capacity)
+                                                      capacity, **client._h())
         except Exception:
             cudashm.destroy_shared_memory_region(self.handle)
             raise
@@ -240,10 +323,23 @@ class CudaOutputRegion:
 
     def close(self) -> None:
         try:
-            self.client.client.unregister_cuda_shared_memory(self.name)
-        except Exception:  # noqa: BLE001 - best effort: the buffer is freed either way
-            pass
-        self._cudashm.destroy_shared_memory_region(self.handle)
+            self.client.unregister(self.name, "cuda")
+        finally:
+            self._cudashm.destroy_shared_memory_region(self.handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_outputs(outputs: Sequence[str]) -> list[str]:
+    wanted = [o for o in OUTPUTS if o in set(outputs)]
+    unknown = set(outputs) - set(OUTPUTS)
+    if unknown or not wanted:
+        raise ValueError(f"outputs must be a non-empty subset of {list(OUTPUTS)}, got {list(outputs)}")
+    return wanted
 
 
 def _request_arrays(input_ids, images: Sequence[bytes], media_frames):

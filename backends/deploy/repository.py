@@ -18,8 +18,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, PLACEHOLDER, PLACEHOLDER_BATCHED, PREPROCESS,
-                      PREPROCESS_BATCHED)
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, FORWARD_SUFFIX, PLACEHOLDER, PLACEHOLDER_BATCHED,
+                      PREPROCESS, PREPROCESS_BATCHED)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
@@ -124,15 +124,18 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     p = dep.vision.encoder.patch_size
     hidden = dep.vision.encoder.text_hidden_size
     fp = dep.float_type
+    counts, grids = "IMAGE_TOKEN_COUNTS", "GRID_THWS"
     placeholder_io = (
         [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
-        [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1])],
+        [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1]),
+         _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
     )
     preprocess_io = (
         [_tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES,
          # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
-         _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1], optional=True)],
-        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
+         _tensor(counts, "TYPE_INT64", [-1], optional=True)],
+        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
+         _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3])],
     )
     dicts = {}
     for name, batch in ((PLACEHOLDER, 0), (PLACEHOLDER_BATCHED, dep.max_batch)):
@@ -155,16 +158,19 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
                                           "default_queue_policy": {"max_queue_size": dep.max_queue}}
 
     def steps(placeholder: str, preprocess: str) -> list[dict]:
+        # No ensemble output feeds a later step: a step that needs one reads its _FORWARD copy (an
+        # internal tensor in lower case). With that, every subset of the outputs can be requested
+        # (Triton prunes the steps nothing requested; validate.check_ensemble enforces the rule).
         return [
             {"model_name": placeholder, "model_version": -1,
              "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES"},
-             "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"}},
+             "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", counts: counts,
+                            counts + FORWARD_SUFFIX: "image_token_counts"}},
             {"model_name": preprocess, "model_version": -1,
-             "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES",
-                           "IMAGE_TOKEN_COUNTS": "IMAGE_TOKEN_COUNTS"},
-             "output_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"}},
+             "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", counts: "image_token_counts"},
+             "output_map": {"PIXEL_VALUES": "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws"}},
             {"model_name": ENCODER, "model_version": -1,
-             "input_map": {"PIXEL_VALUES": "pixel_values", "GRID_THWS": "GRID_THWS"},
+             "input_map": {"PIXEL_VALUES": "pixel_values", grids: "grid_thws"},
              "output_map": {"IMAGE_EMBEDS": "IMAGE_EMBEDS"}},
         ]
 

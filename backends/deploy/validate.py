@@ -5,7 +5,9 @@ Checks: each config parses into `ModelConfig` and names its folder; each model h
 with a file (git drops empty folders, and then the model does not load); each ensemble step names an
 existing model, maps only tensors that model declares, feeds every required input, and connects
 tensors with equal dtypes and compatible shapes; every ensemble input is consumed, every ensemble
-output produced exactly once, and no step output is left dangling.
+output produced exactly once, and no step output is left dangling; and no ensemble output is also
+the input of a step (tritonserver 2.51 then fails requests for a subset of the outputs with
+"unexpected deadlock"; docs/triton_runtime.md#known-server-limitations).
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
         if not compatible(spec, want):
             problems.append(f"{where}: output {out_name!r} is declared {want.describe()} but "
                             f"{produced_by[out_name]} produces {spec.describe()}")
+    for tensor in sorted(consumed & set(ens_outputs)):
+        problems.append(f"{where}: output {tensor!r} also feeds a step; asking for a subset of the outputs "
+                        f"would then fail in tritonserver 2.51 (feed the step a _FORWARD copy instead)")
     for tensor, model in produced_by.items():
         if tensor not in consumed and tensor not in ens_outputs:
             problems.append(f"{where}: {tensor!r} from {model} is dangling (neither consumed nor an output)")

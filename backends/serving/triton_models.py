@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends.errors import RequestError
+from contract import FORWARD_SUFFIX
 from backends.serving.steps import EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep
 
 log = logging.getLogger("kimi_vision")
@@ -148,6 +149,9 @@ class _Adapter:
         self.failures = _FailureCounter(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
+        # Outputs the repository declares twice, the copy for the next step (contract.FORWARD_SUFFIX).
+        self.forwarded = [o["name"][: -len(FORWARD_SUFFIX)] for o in self.config["output"]
+                          if o["name"].endswith(FORWARD_SUFFIX)]
         self.setup()
 
     def inputs(self, request) -> _Inputs:
@@ -165,6 +169,7 @@ class _Adapter:
             try:
                 inputs = self.inputs(request)
                 outputs = inputs.shape_outputs(self.respond(inputs))
+                outputs.update({name + FORWARD_SUFFIX: outputs[name] for name in self.forwarded})
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))

@@ -58,6 +58,9 @@ def _broken(tmp_path, model, old, new):
     ("kimi_preprocess", "dims: 14\n  dims: 14", "dims: 14\n  dims: 16", "is TYPE_FP32[-1, 3, 14, 16] but moonvit3d.PIXEL_VALUES expects TYPE_FP32[-1, 3, 14, 14]"),
     ("kimi_placeholder", "input {", "input {\n  name: 1 2 3", "does not parse"),
     ("kimi_k25_vision", r'output \{\n  name: "GRID_THWS"', 'output {\n  name: "GRID_THW"', "not produced by any step"),
+    # moonvit3d reading the ensemble output GRID_THWS instead of its _FORWARD copy (the 2.51 subset bug)
+    ("kimi_k25_vision", r'key: "GRID_THWS"\n      value: "grid_thws"', 'key: "GRID_THWS"\n      value: "GRID_THWS"',
+     "also feeds a step"),
 ])
 def test_validator_fails_on_a_broken_copy(tmp_path, model, old, new, expected):
     problems = validate_repository(_broken(tmp_path, model, old, new))

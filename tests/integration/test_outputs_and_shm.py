@@ -1,0 +1,69 @@
+"""Any subset of the outputs, over both protocols and both ensembles; and shared-memory regions that
+the server no longer holds once the client is done, whatever happened to the request."""
+
+import itertools
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from clients.kimi_client import OUTPUTS, KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like, text_card
+
+SUBSETS = [list(c) for n in range(1, len(OUTPUTS) + 1) for c in itertools.combinations(OUTPUTS, n)]
+FIELDS = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
+          "IMAGE_TOKEN_COUNTS": "token_counts"}
+
+
+@pytest.fixture(scope="module")
+def request_and_full_answer(server):
+    blobs = [encode(photo_like(200, 150, seed=4), "JPEG", quality=90), encode(text_card(120, 90), "PNG")]
+    ids = chat_prompt_ids(len(blobs))
+    client = KimiVisionClient(server.grpc_url)
+    full = client.infer(ids, blobs)
+    client.close()
+    return ids, blobs, full
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_every_subset_of_the_outputs(server, request_and_full_answer, protocol, batched):
+    assert len(SUBSETS) == 15
+    ids, blobs, full = request_and_full_answer
+    client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol,
+                              batched=batched)
+    try:
+        for subset in SUBSETS:
+            got = client.infer(ids, blobs, outputs=subset)
+            for name, field in FIELDS.items():
+                value = getattr(got, field)
+                if name in subset:
+                    np.testing.assert_array_equal(value, getattr(full, field), err_msg=f"{subset}: {name}")
+                else:
+                    assert value is None, f"{subset}: {name} was not asked for"
+    finally:
+        client.close()
+
+
+def _registered(client: KimiVisionClient) -> list:
+    status = client.client.get_system_shared_memory_status()
+    if isinstance(status, list):  # HTTP: a list of regions
+        return status
+    return list(status.regions)  # gRPC: a protobuf map
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_system_shared_memory_is_unregistered_after_every_call(server, request_and_full_answer, protocol):
+    ids, blobs, full = request_and_full_answer
+    client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    try:
+        for i in range(30):
+            if i % 5 == 4:  # failed requests too: a 1:1 mismatch
+                with pytest.raises(InferenceServerException):
+                    client.infer(ids[:-5], blobs, shm="system")
+                continue
+            r = client.infer(ids, blobs, shm="system", outputs=["IMAGE_EMBEDS", "IMAGE_TOKEN_COUNTS"])
+            np.testing.assert_array_equal(r.image_embeds, full.image_embeds)
+            assert _registered(client) == [], f"call {i} left regions registered"
+    finally:
+        client.close()
