@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import os
 import shlex
 import signal
@@ -25,13 +26,16 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
+from backends.deploy.supervisor import Supervisor
 
 BUILD = REPO_ROOT / "build"
 STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (stub_env.prepare_stub_env)
@@ -118,23 +122,52 @@ class Ports:
         return cls(free_port(), free_port(), free_port())
 
 
+# The API groups an admin key protects (--admin-key): registering shared memory maps client memory
+# into the server, and the repository, logging and trace APIs change what the server does.
+ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+# tritonserver's own limit for in-flight requests at shutdown; the launcher's stop() allows a little more.
+EXIT_TIMEOUT_S = 25
+
+
 def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pool_bytes: int | None,
-                         extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The tritonserver command line: the one place it is written."""
+                         address: str = "0.0.0.0", metrics: tuple[str, int] | None = None,
+                         shm_prefix: str = "", admin_key: str = "", extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The tritonserver command line: the one place it is written.
+
+    address: where HTTP and gRPC listen (0.0.0.0 to serve other hosts). metrics: (address, port) of
+    tritonserver's own metrics endpoint; a supervised server keeps it on loopback and the supervisor
+    serves the public one. admin_key "<header>=<value>": the ADMIN_APIS answer only requests that
+    carry it (HTTP header; gRPC metadata triton-grpc-protocol-<header>)."""
+    metrics_address, metrics_port = metrics or (address, ports.metrics)
     cmd = [
         str(install.binary),
         f"--model-repository={Path(repository).resolve()}",
         f"--backend-directory={install.backend_dir}",
-        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={ports.metrics}",
+        f"--http-address={address}", f"--grpc-address={address}", f"--metrics-address={metrics_address}",
+        f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={metrics_port}",
         "--strict-readiness=true", "--exit-on-error=true", "--disable-auto-complete-config",
-        # Production: no dynamic loading (it would allow arbitrary code from the repository path).
+        # Production: no dynamic loading (it would allow arbitrary code from the repository path). A stub
+        # that dies is healed by restarting the server (supervisor.py), never by reloading a model.
         "--model-control-mode=none",
+        f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
     ]
+    if shm_prefix:  # the server's Python-backend regions in /dev/shm, so that what a dead stub leaves can be removed
+        cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
+    if admin_key:
+        cmd += [f"--http-restricted-api={ADMIN_APIS}:{admin_key}", f"--grpc-restricted-protocol={ADMIN_APIS}:{admin_key}"]
     if cuda_pool_bytes:
         # GPU instances go on every visible GPU, so every GPU gets the pool.
         cmd += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes}" for gpu in range(max(1, gpu_count()))]
+    elif gpu_count() == 0:
+        # No GPU: no GPU metrics (NVML, DCGM) and no pinned host pool, whose start-up attempts only log errors.
+        cmd += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
     # Operator flags for every server we start (e.g. pool sizes), space-separated.
     return cmd + shlex.split(os.environ.get("KIMI_TRITONSERVER_ARGS", "")) + list(extra_args)
+
+
+CPU_STARTUP_NOTE = ("note: this host has no GPU; tritonserver still logs \"CudaDriverHelper has not been initialized\" "
+                    "and \"unable to create stream for <ensemble>: CUDA driver version is insufficient\" at start-up. "
+                    "Both are harmless: the CPU deployment never uses CUDA.")
 
 
 def server_env(install: TritonInstall, stub_bin_dir: Path) -> dict[str, str]:
@@ -147,11 +180,15 @@ def server_env(install: TritonInstall, stub_bin_dir: Path) -> dict[str, str]:
 
 
 class TritonServer:
-    """A tritonserver process on `repository`; `start()` returns once /v2/health/ready answers 200."""
+    """A tritonserver process on `repository`; `start()` returns once /v2/health/ready answers 200.
+
+    metrics_port: where tritonserver's own metrics listen (default ports.metrics); a supervised server
+    gets a loopback port here and the supervisor serves ports.metrics."""
 
     def __init__(self, repository: Path, *, ports: Ports = Ports(), log_path: Path | None = None,
                  cuda_pool_bytes: int | None = None, extra_args: tuple[str, ...] = (),
-                 install: TritonInstall | None = None, allow_numpy2: bool = False):
+                 install: TritonInstall | None = None, allow_numpy2: bool = False, address: str = "127.0.0.1",
+                 metrics_port: int | None = None, admin_key: str = ""):
         self.repository = Path(repository).resolve()
         self.ports = ports
         self.log_path = Path(log_path) if log_path else BUILD / f"tritonserver-{ports.http}.log"
@@ -159,6 +196,10 @@ class TritonServer:
         self.extra_args = extra_args
         self._install = install
         self.allow_numpy2 = allow_numpy2
+        self.address = address
+        self.metrics_port = metrics_port or ports.metrics
+        self.admin_key = admin_key
+        self.shm_prefix = ""
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -177,16 +218,19 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"127.0.0.1:{self.ports.metrics}"
+        return f"127.0.0.1:{self.metrics_port}"
 
     def command(self) -> list[str]:
+        metrics_address = "127.0.0.1" if self.metrics_port != self.ports.metrics else self.address
         return tritonserver_command(self.install, self.repository, self.ports, cuda_pool_bytes=self.cuda_pool_bytes,
-                                    extra_args=self.extra_args)
+                                    address=self.address, metrics=(metrics_address, self.metrics_port),
+                                    shm_prefix=self.shm_prefix, admin_key=self.admin_key, extra_args=self.extra_args)
 
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = server_env(self.install, stub_bin(STUB_ENV, allow_numpy2=self.allow_numpy2))
+        self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         else:
@@ -195,18 +239,24 @@ class TritonServer:
                                              start_new_session=True)
         return self.proc
 
-    def start(self, timeout: float = 180.0, stream_log: bool = False) -> "TritonServer":
+    def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None) -> "TritonServer":
         self.launch(stream_log)
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, on_poll)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, on_poll=None) -> None:
+        """Poll readiness; `on_poll()` runs at each poll and once more when ready (the supervisor
+        learns the stubs' names while they start)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} while starting; "
                                    f"log: {self.log_path}\n{self.log_tail()}")
+            if on_poll:
+                on_poll()
             if self.ready():
+                if on_poll:
+                    on_poll()
                 return
             time.sleep(0.5)
         self.stop()
@@ -225,19 +275,45 @@ class TritonServer:
         except OSError:
             return ""
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = EXIT_TIMEOUT_S + 5, stubs_dead: bool = False) -> None:
+        """Stop within `timeout` seconds and leave nothing behind in /dev/shm. A server with a dead stub
+        would wait out its whole exit timeout unloading that model: it is killed at once."""
         if self.proc is None:
             return
         # SIGINT lets tritonserver unload models and stop the Python stubs it started; the whole
         # process group is signalled so that stubs of a server that died on its own go too.
-        self._signal_group(signal.SIGINT)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
-            self.proc.wait()
-        time.sleep(0.2)
-        self._signal_group(signal.SIGKILL)  # anything left in the group (orphaned stubs)
+        if not stubs_dead and timeout > 0:
+            self._signal_group(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)  # anything left in the group (stubs, a server past its time)
+        self.proc.wait()
+        self._wait_group_gone()
+        self.remove_shm_regions()
+
+    def _wait_group_gone(self, limit: float = 5.0) -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
+
+    def remove_shm_regions(self) -> list[str]:
+        """Remove this launch's Python-backend regions (a stub that was killed never removes its own)."""
+        if not self.shm_prefix:
+            return []
+        removed = []
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            try:
+                region.unlink()
+                removed.append(region.name)
+            except OSError:
+                pass
+        return removed
 
     def _signal_group(self, sig) -> None:
         try:
@@ -253,14 +329,18 @@ class TritonServer:
 
 
 def deployment_server(dep: Deployment, name: str, *, repository: Path | None = None, ports: Ports | None = None,
-                      **kwargs) -> TritonServer:
+                      supervise: bool = True, **kwargs) -> "Supervisor | TritonServer":
     """Render `dep` (under build/model_repository-<name> unless `repository` is given) and return a
     server on it, not yet started: on free loopback ports unless given, with the CUDA pool sized for
-    the deployment."""
+    the deployment, supervised (a dead stub restarts the server; supervisor.py) unless told not to."""
     repo = render_repository(dep, repository or BUILD / f"model_repository-{name}")
     kwargs.setdefault("cuda_pool_bytes", dep.cuda_pool_bytes())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
-    return TritonServer(repo, ports=ports or Ports.free(), **kwargs)
+    ports = ports or Ports.free()
+    if not supervise:
+        return TritonServer(repo, ports=ports, **kwargs)
+    server = TritonServer(repo, ports=ports, metrics_port=free_port(), **kwargs)
+    return Supervisor(server, metrics_address=server.address, metrics_port=ports.metrics)
 
 
 def main(argv=None) -> int:
@@ -273,22 +353,31 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--repository-dir", type=Path, help="where to render the repository (default build/model_repository-<device>)")
     ap.add_argument("--tritonserver", help="an installed tritonserver binary (default: KIMI_TRITONSERVER, else the embedded one)")
+    ap.add_argument("--address", default=os.environ.get("KIMI_ADDRESS", "0.0.0.0"),
+                    help="where HTTP, gRPC and metrics listen (default 0.0.0.0; 127.0.0.1 keeps them on this host)")
+    ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
+                    help=f"'<header>=<value>': the {ADMIN_APIS} APIs answer only requests carrying it")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
     server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), device,
                                repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
-                               install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra))
-    print(f"rendered {device} repository at {server.repository}; starting tritonserver (HTTP {args.http_port}, "
-          f"gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
-    proc = server.launch(stream_log=True)
-
-    def forward(signum, _frame):  # SIGTERM from an orchestrator: let tritonserver drain and exit
-        server._signal_group(signal.SIGINT)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    return proc.wait()
+                               install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
+                               address=args.address, admin_key=args.admin_key)
+    print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
+          f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
+    if device == "cpu" and gpu_count() == 0:
+        print(CPU_STARTUP_NOTE, flush=True)
+    stop = threading.Event()
+    # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests (tritonserver's exit timeout), exit.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server.start(stream_log=True)
+    print("ready", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
 
 
 if __name__ == "__main__":

@@ -114,14 +114,16 @@ def _error(exc: Exception, model: str) -> "pb_utils.InferenceResponse":
 
 
 class _FailureCounter:
-    """Per-request errors count as successes in Triton's own metrics; this counts them."""
+    """Per-request errors count as successes in Triton's own metrics; this counts them. The supervisor
+    (backends/deploy/supervisor.py) folds this private counter into kimi_vision_request_failures_total,
+    together with the failures that never reach our code (a dead stub, a full queue)."""
 
     def __init__(self, model: str):
         self.counters = {}
         try:
             self.family = pb_utils.MetricFamily(
-                name="kimi_vision_request_failures_total",
-                description="Requests answered with an error, by model and kind",
+                name="kimi_vision_stub_failures_total",
+                description="Requests our code answered with an error, by model and kind",
                 kind=pb_utils.MetricFamily.COUNTER,
             )
         except Exception:  # noqa: BLE001 - metrics are optional

@@ -1,0 +1,310 @@
+"""Keep a tritonserver serving: restart it when one of its Python stubs dies, and serve its metrics
+with counters that survive the restart.
+
+Why (docs/triton_runtime.md#known-server-limitations): the 2.51 Python backend never restarts a stub
+that died (a crash, the OOM killer, a SIGKILL). From then on every request of that model fails after
+about a second with "Stub process ... is not healthy" while /v2/health/ready and every model's ready
+endpoint still answer 200, and after some hundreds of such failures the instance blocks for good. So
+the supervisor watches the stubs (children of tritonserver; a dead one is gone or a zombie, since
+tritonserver never reaps it), and on a death it logs and counts it, kills the server's whole process
+group, removes the server's Python-backend shared-memory regions and starts it again. While it
+restarts the ports are closed, so readiness is false and an orchestrator stops routing to it.
+
+Metrics: tritonserver's own endpoint moves to a loopback port, and the public metrics port serves its
+text plus our families (`MetricsRelay`):
+- kimi_vision_request_failures_total{model,kind}: every failed request once, at the composing model
+  where it failed. invalid_input and internal come from our own code (Triton counts per-request
+  errors as successes); backend (e.g. a dead stub), rejected (queue full), cancelled and other come
+  from tritonserver's failure counters of the composing models (its ensemble counters count each
+  failure twice in 2.51, so they are not used);
+- kimi_vision_stub_deaths_total{model}, kimi_vision_server_restarts_total{reason}.
+Counts are kept across restarts: the last values read from a server are added to a base before it is
+replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import contract
+
+log = logging.getLogger("kimi_vision.supervisor")
+
+STUB_BINARY = "triton_python_backend_stub"
+# The counter our stubs keep (backends/serving/triton_models.py); the relay folds it into the public one.
+STUB_FAILURES = "kimi_vision_stub_failures_total"
+FAILURES = "kimi_vision_request_failures_total"
+_TRITON_REASONS = {"BACKEND": "backend", "REJECTED": "rejected", "CANCELED": "cancelled", "OTHER": "other"}
+_ENSEMBLES = (contract.ENSEMBLE, contract.BATCHED_ENSEMBLE)
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def stub_processes(server_pid: int) -> dict[str, int]:
+    """Live Python stubs started by `server_pid`: instance name -> pid. A zombie (dead, never reaped by
+    tritonserver) is not live; `dead_stub_pids` finds those."""
+    stubs = {}
+    for pid, state, comm in _children(server_pid):
+        if state == "Z":
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        # argv: stub, model.py path, shm region, sizes, parent pid, lib dir, ipc handle, instance name, ...
+        if argv[0].endswith(STUB_BINARY.encode()) and len(argv) > 8:
+            stubs[argv[8].decode()] = pid
+    return stubs
+
+
+def dead_stub_pids(server_pid: int) -> list[int]:
+    """Stubs of `server_pid` that died: zombies, which tritonserver never reaps (their cmdline is gone,
+    their 15-character comm remains)."""
+    return [pid for pid, state, comm in _children(server_pid) if state == "Z" and STUB_BINARY.startswith(comm)]
+
+
+def _children(parent: int) -> list[tuple[int, str, str]]:
+    """(pid, state, comm) of `parent`'s child processes, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1: stat.rindex(")")]
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == parent:
+            out.append((int(entry.name), state, comm))
+    return out
+
+
+def model_of(instance: str) -> str:
+    """kimi_preprocess_0_0 -> kimi_preprocess (Triton names instances <model>_<group>_<index>)."""
+    return instance.rsplit("_", 2)[0]
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            labels = dict(_LABEL.findall(m.group(2) or ""))
+            try:
+                samples.append((m.group(1), labels, float(m.group(3))))
+            except ValueError:
+                pass
+    return samples
+
+
+def failure_counts(samples) -> dict[tuple[str, str], float]:
+    """(model, kind) -> failed requests, from one scrape of a tritonserver's metrics."""
+    counts: dict[tuple[str, str], float] = defaultdict(float)
+    for name, labels, value in samples:
+        if name == STUB_FAILURES:
+            counts[(labels.get("model", ""), labels.get("kind", ""))] += value
+        elif name == "nv_inference_request_failure" and labels.get("model") not in _ENSEMBLES:
+            kind = _TRITON_REASONS.get(labels.get("reason", ""), "other")
+            counts[(labels.get("model", ""), kind)] += value
+    return dict(counts)
+
+
+class MetricsRelay:
+    """The public metrics endpoint: tritonserver's own text (without our stubs' private counter) plus
+    the supervisor's families, totals kept across server restarts."""
+
+    def __init__(self, address: str, port: int, triton_metrics_url: str):
+        self.triton_url = triton_metrics_url
+        self.lock = threading.Lock()
+        self.base: dict[tuple[str, str], float] = defaultdict(float)  # failures of replaced servers
+        self.last: dict[tuple[str, str], float] = {}  # the current server's, at its last scrape
+        self.deaths: dict[str, int] = defaultdict(int)
+        self.restarts: dict[str, int] = defaultdict(int)
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = relay.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # scrapes are not news
+                pass
+
+        self.httpd = ThreadingHTTPServer((address, port), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="kimi-metrics", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def scrape(self) -> str | None:
+        """tritonserver's metrics text, None while it is down; updates the current server's counts."""
+        try:
+            with urllib.request.urlopen(self.triton_url, timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        counts = failure_counts(parse_metrics(text))
+        with self.lock:
+            self.last = counts
+        return text
+
+    def server_replaced(self) -> None:
+        """Fold the replaced server's last counts into the base (call after a final scrape)."""
+        with self.lock:
+            for key, value in self.last.items():
+                self.base[key] += value
+            self.last = {}
+
+    def failures(self) -> dict[tuple[str, str], float]:
+        with self.lock:
+            keys = set(self.base) | set(self.last)
+            return {k: self.base.get(k, 0.0) + self.last.get(k, 0.0) for k in keys}
+
+    def render(self) -> str:
+        text = self.scrape() or ""
+        kept = [line for line in text.splitlines() if STUB_FAILURES not in line]
+        out = kept + [
+            f"# HELP {FAILURES} Failed requests, each once, by the composing model where it failed and kind "
+            f"(invalid_input, internal, backend, rejected, cancelled, other)",
+            f"# TYPE {FAILURES} counter",
+        ]
+        out += [f'{FAILURES}{{model="{m}",kind="{k}"}} {v:g}' for (m, k), v in sorted(self.failures().items())]
+        with self.lock:
+            out += ["# HELP kimi_vision_stub_deaths_total Python stubs found dead, by model",
+                    "# TYPE kimi_vision_stub_deaths_total counter"]
+            out += [f'kimi_vision_stub_deaths_total{{model="{m}"}} {n}' for m, n in sorted(self.deaths.items())]
+            out += ["# HELP kimi_vision_server_restarts_total tritonserver restarts by the supervisor, by reason",
+                    "# TYPE kimi_vision_server_restarts_total counter"]
+            out += [f'kimi_vision_server_restarts_total{{reason="{r}"}} {n}' for r, n in sorted(self.restarts.items())]
+        return "\n".join(out) + "\n"
+
+
+class Supervisor:
+    """Runs a TritonServer (backends.deploy.launcher) and keeps it serving; the relay serves metrics.
+
+    Same surface as TritonServer for its users (start/stop, context manager, urls, log_path)."""
+
+    def __init__(self, server, *, metrics_address: str, metrics_port: int, poll_s: float = 0.5,
+                 start_timeout: float = 600.0):
+        self.server = server
+        self.poll_s = poll_s
+        self.start_timeout = start_timeout
+        self.relay = MetricsRelay(metrics_address, metrics_port, f"http://{server.metrics_url}/metrics")
+        self.public_metrics = f"127.0.0.1:{metrics_port}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.expected: dict[str, int] = {}
+        self.stream_log = False
+
+    # TritonServer's surface
+    grpc_url = property(lambda self: self.server.grpc_url)
+    http_url = property(lambda self: self.server.http_url)
+    metrics_url = property(lambda self: self.public_metrics)
+    log_path = property(lambda self: self.server.log_path)
+    proc = property(lambda self: self.server.proc)
+    repository = property(lambda self: self.server.repository)
+
+    def ready(self) -> bool:
+        return self.server.ready()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.server.log_tail(chars)
+
+    def start(self, timeout: float | None = None, stream_log: bool = False) -> "Supervisor":
+        self.stream_log = stream_log
+        self._start_server(timeout or self.start_timeout)
+        self.relay.start()
+        self._thread = threading.Thread(target=self._watch, name="kimi-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.server.stop(timeout, stubs_dead=bool(self.dead_stubs()))
+        self.relay.stop()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def _start_server(self, timeout: float) -> None:
+        self.expected = {}
+        self.server.start(timeout, stream_log=self.stream_log, on_poll=self._learn_stubs)
+
+    def _learn_stubs(self) -> None:
+        """Remember each stub's instance name by pid while it is alive (a dead one has no cmdline left)."""
+        if self.server.proc is not None:
+            for name, pid in stub_processes(self.server.proc.pid).items():
+                self.expected.setdefault(name, pid)
+
+    def dead_stubs(self) -> list[str]:
+        """Instances whose stub died: gone from the stubs seen at readiness, or a zombie child (which
+        also catches a stub that died before it was seen)."""
+        if self.server.proc is None or self.server.proc.poll() is not None:
+            return []
+        now = stub_processes(self.server.proc.pid)
+        dead = [name for name, pid in self.expected.items() if now.get(name) != pid]
+        known = set(self.expected.values())
+        dead += [f"pid {pid}" for pid in dead_stub_pids(self.server.proc.pid) if pid not in known]
+        return sorted(dead)
+
+    def _watch(self) -> None:
+        last_scrape = 0.0
+        while not self._stop.wait(self.poll_s):
+            if self.server.proc.poll() is not None:
+                self._restart("server_exited", f"tritonserver exited with code {self.server.proc.returncode}")
+                continue
+            self._learn_stubs()
+            dead = self.dead_stubs()
+            if dead:
+                with self.relay.lock:
+                    for name in dead:
+                        self.relay.deaths[model_of(name) if not name.startswith("pid ") else "unknown"] += 1
+                self._restart("stub_died", f"Python stub(s) {', '.join(dead)} died")
+            elif time.monotonic() - last_scrape > 2.0:
+                self.relay.scrape()  # keeps the failure counts current should the server vanish
+                last_scrape = time.monotonic()
+
+    def _restart(self, reason: str, why: str) -> None:
+        with self.relay.lock:
+            self.relay.restarts[reason] += 1
+        log.error("%s; restarting tritonserver (its ports close until it is ready again)", why)
+        print(f"kimi-vision supervisor: {why}; restarting tritonserver", flush=True)
+        self.relay.scrape()  # the failures the dead stub caused, while the server still answers
+        self.relay.server_replaced()
+        self.server.stop(0, stubs_dead=True)
+        delay = 1.0
+        while not self._stop.is_set():
+            try:
+                self._start_server(self.start_timeout)
+                print("kimi-vision supervisor: tritonserver is ready again", flush=True)
+                return
+            except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
+                log.error("tritonserver did not come back (%s); retrying in %.0f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 30.0)

@@ -1,0 +1,107 @@
+"""A server that survives its own faults: a Python stub killed under load is healed by the supervisor
+(the server restarts, readiness is false meanwhile), the death is counted, and shutdown leaves no
+process and nothing in /dev/shm."""
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends.deploy.launcher import deployment_server
+from backends.deploy.repository import Deployment
+from backends.deploy.supervisor import model_of, parse_metrics, stub_processes
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+
+MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched"]
+
+
+def _metrics(server) -> list:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
+        return parse_metrics(r.read().decode())
+
+
+def _value(samples, name, **labels) -> float:
+    return sum(v for n, l, v in samples if n == name and all(l.get(k) == x for k, x in labels.items()))
+
+
+class Load:
+    """Requests through both ensembles in a loop; counts what came back."""
+
+    def __init__(self, server):
+        self.server, self.ok, self.failed, self.stop = server, 0, 0, threading.Event()
+        self.blob = encode(photo_like(120, 90, seed=5), "JPEG", quality=90)
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        while not self.stop.is_set():
+            for batched in (False, True):
+                try:
+                    c = KimiVisionClient(self.server.grpc_url, batched=batched)
+                    c.infer(chat_prompt_ids(1), [self.blob], timeout_s=20)
+                    c.close()
+                    self.ok += 1
+                except Exception:  # noqa: BLE001 - failures while a stub is dead or the server restarts
+                    self.failed += 1
+                    time.sleep(0.05)
+
+
+def _serves(server, batched: bool) -> bool:
+    try:
+        c = KimiVisionClient(server.grpc_url, batched=batched)
+        r = c.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=1), "PNG")], timeout_s=20)
+        c.close()
+        return r.image_embeds.shape[0] > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
+    server = deployment_server(Deployment(device="cpu"), "faults")
+    prefixes = []
+    server.start()
+    try:
+        load = Load(server)
+        load.thread.start()
+        for model in MODELS:
+            prefixes.append(server.server.shm_prefix)
+            stubs = {name: pid for name, pid in stub_processes(server.proc.pid).items() if model_of(name) == model}
+            assert stubs, f"no stub of {model} found"
+            name, pid = next(iter(stubs.items()))
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 90  # generous: the requirement is 30 s on a quiet machine
+            saw_not_ready = False
+            while time.monotonic() < deadline:
+                if not server.ready():
+                    saw_not_ready = True
+                elif saw_not_ready and _serves(server, batched=model.endswith("_batched")):
+                    break
+                time.sleep(0.2)
+            assert saw_not_ready, f"readiness never turned false after {name} died"
+            assert _serves(server, batched=False) and _serves(server, batched=True), f"not serving after {name} died"
+        load.stop.set()
+        load.thread.join()
+        assert load.ok > 0
+        samples = _metrics(server)
+        for model in MODELS:
+            assert _value(samples, "kimi_vision_stub_deaths_total", model=model) == 1, model
+        assert _value(samples, "kimi_vision_server_restarts_total", reason="stub_died") == len(MODELS)
+        logged = [r.getMessage() for r in caplog.records if r.name == "kimi_vision.supervisor"]
+        for model in MODELS:
+            assert any(f"{model}_0_0 died" in m for m in logged), (model, logged)
+    finally:
+        pid = server.proc.pid
+        prefixes.append(server.server.shm_prefix)
+        t0 = time.monotonic()
+        server.stop()
+        stop_s = time.monotonic() - t0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the server and every stub are gone
+    assert stop_s < 35, f"stop took {stop_s:.0f} s"
+    left = [p.name for p in Path("/dev/shm").iterdir() if any(p.name.startswith(x) for x in prefixes)]
+    assert left == [], left
