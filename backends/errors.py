@@ -1,5 +1,9 @@
-"""The one error type for a bad request. Adapters turn it into a per-request INVALID_ARG response."""
+"""Errors for one request. Adapters turn them into a per-request error response."""
 
 
 class RequestError(ValueError):
-    """Something in one request is wrong; the message says what, in the client's terms."""
+    """Something in one request is wrong; the message says what, in the client's terms (INVALID_ARG)."""
+
+
+class RequestCancelled(Exception):
+    """The client gave up on the request (deadline, closed connection, explicit cancel): stop its work."""

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from backends.config import Limits, MediaConfig
+from backends.errors import RequestCancelled
 from backends.kernels import patchify
 from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess.decode import decode_rgb, open_image
@@ -108,8 +109,9 @@ class Preprocessor:
             for f in pending:  # a failed frame: do not decode the rest
                 f.cancel()
 
-    def __call__(self, blobs: Sequence[bytes], media_frames=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
-        """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans."""
+    def __call__(self, blobs: Sequence[bytes], media_frames=None, cancelled=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
+        """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans.
+        `cancelled()`, if given, is asked before each media: True raises RequestCancelled."""
         images = self.open(blobs)
         plans = self.plan(images, media_frames)
         chunks = []
@@ -117,6 +119,8 @@ class Preprocessor:
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
         with contextlib.closing(self._frames(images, plans)) as frames_in_order:
             for m in plans:
+                if cancelled is not None and cancelled():
+                    raise RequestCancelled(f"cancelled by the client after {len(chunks)} of {len(plans)} media")
                 frames = [next(frames_in_order) for _ in m.frames]
                 pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
                 chunks.append(self._patchify(pixels, m.plan))

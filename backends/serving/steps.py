@@ -79,8 +79,9 @@ class PreprocessStep:
                  out_dtype: torch.dtype = torch.float32):
         self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
 
-    def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None):
-        pixel_values, grid_thws, plans = self.pre(images, media_frames)
+    def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None,
+                 cancelled=None):
+        pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
         if expected_counts is not None:
             counts = [m.plan.num_tokens for m in plans]
             if np.asarray(expected_counts).reshape(-1).tolist() != counts:

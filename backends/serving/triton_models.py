@@ -17,7 +17,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from backends.errors import RequestError
+from backends.errors import RequestCancelled, RequestError
 from contract import FORWARD_SUFFIX
 from backends.serving.steps import EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep
 
@@ -107,6 +107,9 @@ def _output(name: str, value) -> "pb_utils.Tensor":
 def _error(exc: Exception, model: str) -> "pb_utils.InferenceResponse":
     if isinstance(exc, RequestError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(exc, RequestCancelled):
+        code = getattr(pb_utils.TritonError, "CANCELLED", pb_utils.TritonError.UNAVAILABLE)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), code))
     log.error("%s: internal error\n%s", model, "".join(traceback.format_exception(exc)))
     return pb_utils.InferenceResponse(
         error=pb_utils.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
@@ -133,7 +136,8 @@ class _FailureCounter:
     def inc(self, exc: Exception) -> None:
         if self.family is None:
             return
-        kind = "invalid_input" if isinstance(exc, RequestError) else "internal"
+        kind = ("invalid_input" if isinstance(exc, RequestError)
+                else "cancelled" if isinstance(exc, RequestCancelled) else "internal")
         if kind not in self.counters:
             self.counters[kind] = self.family.Metric(labels={"model": self.model, "kind": kind})
         self.counters[kind].increment(1)
@@ -210,8 +214,9 @@ class PreprocessModel(_Adapter):
                                    out_dtype=_out_dtype(self.config, "PIXEL_VALUES"))
 
     def respond(self, inputs: _Inputs):
+        # Checked between media: a client that gave up (deadline, cancel) stops the rest of the work.
         return self.step(inputs.bytes_list("IMAGES"), inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
-                         inputs.numpy("MEDIA_FRAMES", optional=True))
+                         inputs.numpy("MEDIA_FRAMES", optional=True), cancelled=inputs.request.is_cancelled)
 
 
 class EncoderModel(_Adapter):
@@ -229,6 +234,8 @@ class EncoderModel(_Adapter):
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:
             try:
+                if request.is_cancelled():  # dropped from the batch: nobody waits for its embeddings
+                    raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
                 parsed.append((inputs, EncoderRequest(inputs.torch("PIXEL_VALUES"), inputs.numpy("GRID_THWS"))))
             except Exception as exc:  # noqa: BLE001

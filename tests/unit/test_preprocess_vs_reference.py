@@ -166,3 +166,17 @@ def test_a_frame_that_fails_to_decode_among_parallel_decodes_names_itself():
     pv, grids, _ = Preprocessor(MEDIA)(good)
     refs = [reference_pixels(b) for b in good]
     np.testing.assert_array_equal(pv.numpy(), np.concatenate([r for r, _ in refs]))
+
+
+def test_preprocessing_stops_between_media_once_cancelled():
+    from backends.errors import RequestCancelled
+
+    blobs = [encode(photo_like(64, 48, seed=s), "PNG") for s in range(3)]
+    asked = []
+
+    def cancelled():
+        asked.append(1)
+        return len(asked) > 1  # the client gives up after the first media
+
+    with pytest.raises(RequestCancelled, match="after 1 of 3 media"):
+        Preprocessor(MEDIA)(blobs, cancelled=cancelled)

@@ -1,0 +1,57 @@
+"""Cancelled work stops: a client that gives up on a heavy request does not keep the encoder busy."""
+
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backends.deploy.supervisor import parse_metrics
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+
+HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
+
+
+@pytest.fixture(scope="module")
+def heavy():
+    return [encode(photo_like(1792, 1792, seed=i), "JPEG", quality=90) for i in range(HEAVY)]
+
+
+def _cancelled(server, model) -> float:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
+        samples = parse_metrics(r.read().decode())
+    return sum(v for n, l, v in samples if n == "kimi_vision_request_failures_total"
+               and l.get("model") == model and l.get("kind") == "cancelled")
+
+
+def test_a_request_cancelled_by_its_deadline_skips_the_encoder(server, heavy):
+    before = _cancelled(server, "moonvit3d")
+    client = KimiVisionClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.5)
+        # The next request is served; the heavy one was dropped before the encoder ran it (tritonserver
+        # 2.51 lets an ensemble step that is already running finish, so its preprocessing completes).
+        small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
+        assert small.image_embeds.shape[0] == small.token_counts.sum()
+    finally:
+        client.close()
+    assert _cancelled(server, "moonvit3d") == before + 1
+
+
+def test_preprocessing_called_directly_stops_between_images(server, heavy):
+    before = _cancelled(server, "kimi_preprocess")
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    x = grpcclient.InferInput("IMAGES", [HEAVY], "BYTES")
+    x.set_data_from_numpy(np.array(heavy, dtype=np.object_))
+    with pytest.raises(InferenceServerException, match="Deadline"):
+        c.infer("kimi_preprocess", [x], client_timeout=0.3)
+    c.close()
+    # The stub notices at its next check between images; give it the time one image takes at most.
+    deadline = time.monotonic() + 30
+    while _cancelled(server, "kimi_preprocess") == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _cancelled(server, "kimi_preprocess") == before + 1
