@@ -73,16 +73,19 @@ UNREGISTER_RETRY_S = 10.0
 
 class KimiVisionClient:
     def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False,
-                 headers: dict[str, str] | None = None):
+                 admin_key: str = ""):
         """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server).
-        headers: sent with every call, e.g. the key of a server whose shared-memory API is restricted
-        (HTTP: the header itself; gRPC: tritonclient sends it as metadata, spelled
-        `triton-grpc-protocol-<key>` for a restricted protocol group)."""
+        admin_key "<header>=<value>": the key of a server whose shared-memory API is restricted
+        (`--admin-key` of the launcher); sent as that HTTP header, or over gRPC as the metadata
+        `triton-grpc-protocol-<header>`, which is how tritonserver reads it there."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.protocol, self.batched = protocol, batched
         self.model = model or (BATCHED_MODEL if batched else MODEL)
-        self.headers = dict(headers or {})
+        self.headers = {}
+        if admin_key:
+            header, _, value = admin_key.partition("=")
+            self.headers[header if protocol == "http" else f"triton-grpc-protocol-{header}"] = value
         if protocol == "grpc":
             import tritonclient.grpc as tc
         else:

@@ -198,7 +198,10 @@ def render_config(config: mc.ModelConfig) -> str:
 
 
 def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path:
-    """Write a complete, loadable model repository for `dep` to `out` (model.py files copied)."""
+    """Write a complete, loadable model repository for `dep` to `out` (model.py files copied).
+
+    Writable by its owner only (the server's user), whatever the umask: the server runs the model.py
+    files it finds there."""
     out = Path(out)
     if clean and out.exists():
         shutil.rmtree(out)
@@ -209,6 +212,8 @@ def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path
         for src in (SOURCE_REPOSITORY / name / "1").iterdir():
             if src.is_file():
                 shutil.copy2(src, version / src.name)
+    for path in [out, *out.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     return out
 
 

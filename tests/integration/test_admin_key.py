@@ -1,0 +1,59 @@
+"""Only what should be reachable is: behind --admin-key the shared-memory API answers only requests
+carrying the key (inference stays open), and the rendered repository is writable by its owner only."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from backends.deploy.launcher import Ports, TritonInstall, deployment_server, tritonserver_command
+from backends.deploy.repository import Deployment, render_repository
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+
+KEY = "kimi-admin=not-a-real-secret"
+
+
+@pytest.fixture(scope="module")
+def locked_server():
+    with deployment_server(Deployment(), "admin-key", admin_key=KEY) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_shared_memory_needs_the_key_and_inference_does_not(locked_server, protocol):
+    url = locked_server.grpc_url if protocol == "grpc" else locked_server.http_url
+    blobs = [encode(photo_like(96, 64, seed=3), "PNG")]
+    anonymous = KimiVisionClient(url, protocol=protocol)
+    admin = KimiVisionClient(url, protocol=protocol, admin_key=KEY)
+    try:
+        plain = anonymous.infer(chat_prompt_ids(1), blobs)  # inference is not restricted
+        with pytest.raises(Exception, match="(?i)restricted|unavailable|403"):
+            anonymous.infer(chat_prompt_ids(1), blobs, shm="system")
+        via_shm = admin.infer(chat_prompt_ids(1), blobs, shm="system")
+        np.testing.assert_array_equal(via_shm.image_embeds, plain.image_embeds)
+        status = admin.client.get_system_shared_memory_status(**admin._h())
+        assert list(status if isinstance(status, list) else status.regions) == []  # nothing left registered
+    finally:
+        anonymous.close()
+        admin.close()
+
+
+def test_the_key_restricts_the_admin_apis_over_both_protocols():
+    cmd = tritonserver_command(TritonInstall("/bin/tritonserver", "/backends"), "/repo", Ports(),
+                               cuda_pool_bytes=None, admin_key=KEY)
+    assert f"--http-restricted-api=model-repository,shared-memory,logging,trace:{KEY}" in cmd
+    assert f"--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:{KEY}" in cmd
+    assert "--model-control-mode=none" in cmd
+
+
+def test_rendered_repository_is_writable_by_its_owner_only(tmp_path):
+    old = os.umask(0)  # even a permissive umask
+    try:
+        repo = render_repository(Deployment(), tmp_path / "repo")
+    finally:
+        os.umask(old)
+    for path in [repo, *repo.rglob("*")]:
+        mode = path.stat().st_mode
+        assert not mode & (stat.S_IWGRP | stat.S_IWOTH), f"{path} is writable by others ({oct(mode)})"
