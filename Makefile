@@ -15,7 +15,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 CKPT_ARG := $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
-.PHONY: setup run serve test unit integration validate configs perf clean
+.PHONY: setup run serve test unit integration validate configs perf soak clean
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ $(PERF_STAMP): $(STAMP)
 
 perf: $(PERF_STAMP)
 	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched
+
+# Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (bench/soak.py).
+SOAK_REQUESTS ?= 2000
+soak: setup
+	$(PY) -m bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS)
 
 clean:
 	rm -rf build .pytest_cache

@@ -21,6 +21,7 @@ import importlib.util
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -129,7 +130,7 @@ ADMIN_APIS = "model-repository,shared-memory,logging,trace"
 EXIT_TIMEOUT_S = 25
 
 
-def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pool_bytes: int | None,
+def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pools: dict[int, int],
                          address: str = "0.0.0.0", metrics: tuple[str, int] | None = None,
                          shm_prefix: str = "", admin_key: str = "", extra_args: tuple[str, ...] = ()) -> list[str]:
     """The tritonserver command line: the one place it is written.
@@ -155,9 +156,8 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if admin_key:
         cmd += [f"--http-restricted-api={ADMIN_APIS}:{admin_key}", f"--grpc-restricted-protocol={ADMIN_APIS}:{admin_key}"]
-    if cuda_pool_bytes:
-        # GPU instances go on every visible GPU, so every GPU gets the pool.
-        cmd += [f"--cuda-memory-pool-byte-size={gpu}:{cuda_pool_bytes}" for gpu in range(max(1, gpu_count()))]
+    if cuda_pools:  # every GPU that holds instances holds tensors between steps (Deployment.cuda_pools)
+        cmd += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in sorted(cuda_pools.items())]
     elif gpu_count() == 0:
         # No GPU: no GPU metrics (NVML, DCGM) and no pinned host pool, whose start-up attempts only log errors.
         cmd += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
@@ -179,6 +179,19 @@ def server_env(install: TritonInstall, stub_bin_dir: Path) -> dict[str, str]:
     return env
 
 
+def shm_note(dep: Deployment) -> str:
+    """How much /dev/shm the deployment may need (Deployment.shm_ceiling_bytes) against what there is."""
+    need = dep.shm_ceiling_bytes()
+    try:
+        have = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        have = 0
+    text = (f"/dev/shm: the Python backend's regions can grow to {need / 2**30:.1f} GiB under the limits "
+            f"(they never shrink in tritonserver 2.51); this host has {have / 2**30:.1f} GiB")
+    return text + ("" if have >= need else ". WARNING: requests at the limits can fail; give /dev/shm more "
+                   "(docker --shm-size, a Memory emptyDir on Kubernetes) or lower max_patches / max_batch")
+
+
 class TritonServer:
     """A tritonserver process on `repository`; `start()` returns once /v2/health/ready answers 200.
 
@@ -186,13 +199,13 @@ class TritonServer:
     gets a loopback port here and the supervisor serves ports.metrics."""
 
     def __init__(self, repository: Path, *, ports: Ports = Ports(), log_path: Path | None = None,
-                 cuda_pool_bytes: int | None = None, extra_args: tuple[str, ...] = (),
+                 cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
                  install: TritonInstall | None = None, allow_numpy2: bool = False, address: str = "127.0.0.1",
                  metrics_port: int | None = None, admin_key: str = ""):
         self.repository = Path(repository).resolve()
         self.ports = ports
         self.log_path = Path(log_path) if log_path else BUILD / f"tritonserver-{ports.http}.log"
-        self.cuda_pool_bytes = cuda_pool_bytes
+        self.cuda_pools = dict(cuda_pools or {})
         self.extra_args = extra_args
         self._install = install
         self.allow_numpy2 = allow_numpy2
@@ -222,7 +235,7 @@ class TritonServer:
 
     def command(self) -> list[str]:
         metrics_address = "127.0.0.1" if self.metrics_port != self.ports.metrics else self.address
-        return tritonserver_command(self.install, self.repository, self.ports, cuda_pool_bytes=self.cuda_pool_bytes,
+        return tritonserver_command(self.install, self.repository, self.ports, cuda_pools=self.cuda_pools,
                                     address=self.address, metrics=(metrics_address, self.metrics_port),
                                     shm_prefix=self.shm_prefix, admin_key=self.admin_key, extra_args=self.extra_args)
 
@@ -334,7 +347,7 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     server on it, not yet started: on free loopback ports unless given, with the CUDA pool sized for
     the deployment, supervised (a dead stub restarts the server; supervisor.py) unless told not to."""
     repo = render_repository(dep, repository or BUILD / f"model_repository-{name}")
-    kwargs.setdefault("cuda_pool_bytes", dep.cuda_pool_bytes())
+    kwargs.setdefault("cuda_pools", dep.cuda_pools())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
     ports = ports or Ports.free()
     if not supervise:
@@ -357,11 +370,17 @@ def main(argv=None) -> int:
                     help="where HTTP, gRPC and metrics listen (default 0.0.0.0; 127.0.0.1 keeps them on this host)")
     ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
                     help=f"'<header>=<value>': the {ADMIN_APIS} APIs answer only requests carrying it")
+    ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
+                    help="moonvit3d instances per GPU (in all on CPU)")
+    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "1")),
+                    help="kimi_preprocess instances per GPU (in all on CPU)")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
-    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), device,
+    dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
+                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
+    server = deployment_server(dep, device,
                                repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
                                address=args.address, admin_key=args.admin_key)
@@ -369,6 +388,7 @@ def main(argv=None) -> int:
           f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     if device == "cpu" and gpu_count() == 0:
         print(CPU_STARTUP_NOTE, flush=True)
+    print(shm_note(dep), flush=True)
     stop = threading.Event()
     # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests (tritonserver's exit timeout), exit.
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

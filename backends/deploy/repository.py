@@ -38,8 +38,9 @@ class Deployment:
     device: str = "cpu"  # "cpu" or "gpu"
     checkpoint: str = ""  # empty: the embedded demo model
     limits: Limits = field(default_factory=Limits)
-    encoder_instances: int = 1
-    preprocess_instances: int = 1
+    gpus: int = 1  # GPU deployment: GPUs 0..gpus-1 as this process sees them (CUDA_VISIBLE_DEVICES applies)
+    encoder_instances: int = 1  # per GPU (GPU deployment) or in all (CPU)
+    preprocess_instances: int = 1  # likewise
     max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
     batch_delay_us: int = 2000  # how long moonvit3d's batcher waits for more requests
     max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
@@ -48,6 +49,20 @@ class Deployment:
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
+            raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
+                             f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
+
+    def instance_group(self, kind: str, count: int) -> list[dict]:
+        """CPU: `count` instances. GPU: `count` instances on each GPU, each group pinned to its device."""
+        if kind == "KIND_GPU":
+            return [{"kind": kind, "count": count, "gpus": [gpu]} for gpu in range(self.gpus)]
+        return [{"kind": kind, "count": count}]
+
+    def cuda_pools(self) -> dict[int, int]:
+        """GPU id -> Triton CUDA pool bytes (every GPU holds tensors between steps); empty on CPU."""
+        size = self.cuda_pool_bytes()
+        return {gpu: size for gpu in range(self.gpus)} if size else {}
 
     @functools.cached_property
     def vision(self) -> VisionConfig:
@@ -68,7 +83,8 @@ class Deployment:
         next step zeros (docs/triton_runtime.md#gpu-tensors-between-steps). Sized for the worst case the limits
         allow (BF16 pixels and embeddings of `max_patches`) times the requests that can hold such
         tensors at once: a full batch per encoder instance, moonvit3d's bounded queue, and one
-        request per preprocessing instance."""
+        request per preprocessing instance. Per GPU: a request's tensors stay on the GPU that
+        preprocessed it, and in the worst case the whole queue waits on one GPU."""
         if self.device != "gpu":
             return None
         enc = self.vision.encoder
@@ -77,6 +93,23 @@ class Deployment:
         grids = self.limits.max_images * 3 * 8
         in_flight = self.encoder_instances * self.max_batch + self.max_queue + self.preprocess_instances
         return in_flight * (pixels + embeds + grids)
+
+
+    def shm_ceiling_bytes(self) -> int:
+        """The most /dev/shm the Python backend can come to hold under the limits.
+
+        Every tensor a CPU deployment passes between steps goes through the Python backend's
+        shared-memory regions, which grow to the largest exchange and never shrink in tritonserver
+        2.51 (docs/triton_runtime.md#known-server-limitations). Bound: each preprocessing instance's
+        largest PIXEL_VALUES, and moonvit3d taking a full batch of such requests plus their
+        embeddings. The limits enforce it; a GPU deployment passes the tensors as CUDA IPC handles,
+        so its regions hold a few MiB. Encoded image bytes come on top (they are the request's own)."""
+        if self.device == "gpu":
+            return 0
+        enc = self.vision.encoder
+        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 4
+        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 4
+        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds)
 
 
 def _tensor(name, dtype, dims, optional=False):
@@ -98,6 +131,7 @@ MEDIA_FRAMES = {"name": "MEDIA_FRAMES", "data_type": "TYPE_INT64", "dims": [-1],
 
 
 def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
+    """One Python-backend model; `count` instances (per GPU for KIND_GPU)."""
     params = {
         "checkpoint": dep.checkpoint,
         "max_images": str(dep.limits.max_images),
@@ -114,7 +148,7 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
         "max_batch_size": max_batch,
         "input": _ragged(inputs) if max_batch else inputs,
         "output": outputs,
-        "instance_group": [{"kind": kind, "count": count}],
+        "instance_group": dep.instance_group(kind, count),
         "parameters": {k: {"string_value": v} for k, v in params.items()},
     }
 

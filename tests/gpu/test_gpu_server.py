@@ -23,8 +23,8 @@ def placement_problems(server: TritonServer) -> list[str]:
 
 
 def start(name: str, pool: int | None = None) -> TritonServer:
-    dep = Deployment(device="gpu")
-    return deployment_server(dep, name, cuda_pool_bytes=pool or dep.cuda_pool_bytes()).start()
+    dep = Deployment(device="gpu", gpus=torch.cuda.device_count())  # every visible GPU, a pool on each
+    return deployment_server(dep, name, cuda_pools={g: pool for g in range(dep.gpus)} if pool else dep.cuda_pools()).start()
 
 
 def images():

@@ -42,7 +42,7 @@ def test_shared_memory_needs_the_key_and_inference_does_not(locked_server, proto
 
 def test_the_key_restricts_the_admin_apis_over_both_protocols():
     cmd = tritonserver_command(TritonInstall("/bin/tritonserver", "/backends"), "/repo", Ports(),
-                               cuda_pool_bytes=None, admin_key=KEY)
+                               cuda_pools={}, admin_key=KEY)
     assert f"--http-restricted-api=model-repository,shared-memory,logging,trace:{KEY}" in cmd
     assert f"--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:{KEY}" in cmd
     assert "--model-control-mode=none" in cmd

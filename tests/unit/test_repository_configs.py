@@ -32,7 +32,7 @@ def test_gpu_deployment_differs_only_in_placement_and_dtypes():
         a, b = render_config(cpu[name]).splitlines(), render_config(gpu[name]).splitlines()
         changed = {x.strip() for x in set(a) ^ set(b)}
         allowed = {"data_type: TYPE_FP32", "data_type: TYPE_BF16", "kind: KIND_CPU", "kind: KIND_GPU",
-                   'string_value: "yes"', 'string_value: "no"'}
+                   'string_value: "yes"', 'string_value: "no"', "gpus: 0"}
         if name == "moonvit3d":  # GPU only: how many encoder CUDA graphs to keep
             allowed |= {'key: "cuda_graphs"', f'string_value: "{Deployment("gpu").cuda_graphs}"'}
         assert changed <= allowed, (name, changed - allowed)
@@ -73,3 +73,20 @@ def test_validator_catches_an_empty_version_folder(tmp_path):
     shutil.rmtree(repo / "kimi_k25_vision" / "1")
     (repo / "kimi_k25_vision" / "1").mkdir()
     assert any("no version folder with a file" in p for p in validate_repository(repo))
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_gpu_deployment_puts_instances_on_every_gpu_with_a_pool_each(gpus):
+    from backends.deploy.launcher import Ports, TritonInstall, tritonserver_command
+
+    dep = Deployment(device="gpu", gpus=gpus, encoder_instances=2, preprocess_instances=3)
+    configs = model_configs(dep)
+    for model, per_gpu in (("moonvit3d", 2), ("kimi_preprocess", 3), ("kimi_preprocess_batched", 3)):
+        groups = configs[model].instance_group
+        assert [list(g.gpus) for g in groups] == [[g] for g in range(gpus)], model  # one group per device
+        assert all(g.count == per_gpu and g.kind == g.KIND_GPU for g in groups), model
+    assert [g.kind for g in configs["kimi_placeholder"].instance_group] == [configs["kimi_placeholder"].instance_group[0].KIND_CPU]
+    cmd = tritonserver_command(TritonInstall("/bin/tritonserver", "/backends"), "/repo", Ports(),
+                               cuda_pools=dep.cuda_pools())
+    pools = [a for a in cmd if a.startswith("--cuda-memory-pool-byte-size=")]
+    assert pools == [f"--cuda-memory-pool-byte-size={g}:{dep.cuda_pool_bytes()}" for g in range(gpus)]

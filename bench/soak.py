@@ -1,0 +1,212 @@
+"""Soak: many mixed requests at a fixed concurrency; memory sampled as it goes; good requests never fail.
+
+    python -m bench.soak                       # CPU: 2000 requests, concurrency 8 (`make soak`)
+    python -m bench.soak --device gpu --requests 10000 --concurrency 16 --checkpoint DIR
+
+A mix of good requests (several sizes, one or two images, both ensembles) and the bad ones of our
+bad-input tests (placeholder/image mismatch, garbage bytes, a header over the pixel limit, too many
+images, bad MEDIA_FRAMES, negative ids), sent by `--concurrency` threads. Every `--sample-every`
+requests: the server's process tree memory (RSS and PSS, from /proc; PSS counts shared pages once),
+the server's Python-backend regions in /dev/shm, and on a GPU the device memory in use. Verdict: good
+requests that failed (must be 0), bad requests that did not fail with INVALID_ARG (must be 0), and
+each memory series flat within --tolerance after the first sample past warm-up. Also prints the
+effect of one request at the limits (8 x 1792^2) on memory, right after it and after 200 small ones.
+Recorded, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from backends.deploy.launcher import BUILD, deployment_server, resolve_device
+from backends.deploy.repository import Deployment
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like, text_card
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height (no pixel data): refused from its header."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+def request_mix(seed: int = 0):
+    """(label, good?, ids, images, media_frames) templates, drawn with weights."""
+    rng = np.random.default_rng(seed)
+    small = encode(photo_like(64, 48, seed=1), "PNG")
+    photo = encode(photo_like(640, 480, seed=2), "JPEG", quality=90)
+    card = encode(text_card(300, 200), "PNG")
+    big = encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)
+    frames = [encode(photo_like(320, 240, seed=10 + i), "JPEG", quality=85) for i in range(3)]
+    good = [
+        ("small", chat_prompt_ids(1), [small], None, 30),
+        ("photo", chat_prompt_ids(1), [photo], None, 25),
+        ("two images", chat_prompt_ids(2), [photo, card], None, 15),
+        ("1024^2", chat_prompt_ids(1), [big], None, 8),
+        ("chunk + image", chat_prompt_ids(2), frames + [card], [3, 0], 7),
+        ("text only", chat_prompt_ids(0), [], None, 5),
+    ]
+    bad = [
+        ("1:1 mismatch", chat_prompt_ids(2), [small], None, 3),
+        ("garbage bytes", chat_prompt_ids(1), [rng.bytes(300)], None, 3),
+        ("pixel limit", chat_prompt_ids(1), [png_header_only(20000, 20000)], None, 1),
+        ("65 images", chat_prompt_ids(65), [small] * 65, None, 1),
+        ("bad MEDIA_FRAMES", chat_prompt_ids(1), [small], [5], 1),
+        ("negative id", np.array([-1, 163605], np.int64), [small], None, 1),
+    ]
+    return [(label, True, *rest) for label, *rest in good] + [(label, False, *rest) for label, *rest in bad]
+
+
+def process_tree(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+            except (OSError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def memory(server) -> dict[str, float]:
+    """MiB: RSS and PSS of the server's process tree, its /dev/shm regions, GPU memory in use."""
+    rss = pss = 0
+    for p in process_tree(server.proc.pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
+        except OSError:
+            pass
+    shm = sum(f.stat().st_size for f in Path("/dev/shm").glob(f"{server.server.shm_prefix}*"))
+    out = {"rss": rss / 1024, "pss": pss / 1024, "shm": shm / 2**20}
+    try:
+        used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout.split()
+        if used:
+            out["gpu"] = float(sum(int(u) for u in used))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--sample-every", type=int, default=250)
+    ap.add_argument("--warmup-samples", type=int, default=2, help="samples before the flatness baseline")
+    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--out", type=Path, default=BUILD / "soak")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    mix = request_mix()
+    weights = [m[-1] for m in mix]
+    rng = random.Random(0)
+    plan = rng.choices(range(len(mix)), weights=weights, k=args.requests)
+    peak_blobs = [encode(photo_like(1792, 1792, seed=i), "JPEG", quality=90) for i in range(8)]
+    lock, counts, problems, samples = threading.Lock(), Counter(), [], []
+    next_index = [0]
+    t0 = time.monotonic()
+    with deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"soak-{device}") as server:
+        client = KimiVisionClient(server.grpc_url)
+        before = memory(server)
+        client.infer(chat_prompt_ids(8), peak_blobs)
+        after_peak = memory(server)
+        for _ in range(200):
+            client.infer(chat_prompt_ids(1), [mix[0][3][0]])
+        after_small = memory(server)
+        client.close()
+
+        def worker():
+            c = KimiVisionClient(server.grpc_url)
+            c_batched = KimiVisionClient(server.grpc_url, batched=True)
+            while True:
+                with lock:
+                    i = next_index[0]
+                    next_index[0] += 1
+                if i >= len(plan):
+                    break
+                label, good, ids, blobs, frames, _ = mix[plan[i]]
+                target = c_batched if i % 3 == 0 else c
+                try:
+                    target.infer(ids, blobs, media_frames=frames, timeout_s=600)
+                    outcome = "ok" if good else "bad request accepted"
+                except Exception as exc:  # noqa: BLE001
+                    msg = str(exc)
+                    outcome = "failed" if good else ("refused" if "INVALID" in msg or "400" in msg else "bad: " + msg[:80])
+                with lock:
+                    counts[(label, outcome)] += 1
+                    if (good and outcome != "ok") or (not good and outcome != "refused"):
+                        problems.append(f"request {i} ({label}): {outcome}")
+                    done = sum(counts.values())
+                    if done % args.sample_every == 0:
+                        samples.append((done, memory(server)))
+            c.close()
+            c_batched.close()
+
+        threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        restarts = server.relay.restarts.copy()
+    wall = time.monotonic() - t0
+
+    keys = [k for k in ("rss", "pss", "shm", "gpu") if k in before]
+    lines = [f"$ python -m bench.soak {' '.join(sys.argv[1:] if argv is None else argv)}",
+             f"{platform.node()} {os.cpu_count()} CPUs, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}, {args.requests} requests at concurrency {args.concurrency}, "
+             f"wall {wall:.0f} s", "",
+             "## One request at the limits (8 x 1792^2), memory in MiB", "",
+             "| when | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for when, m in (("before", before), ("right after", after_peak), ("after 200 small requests", after_small)):
+        lines.append(f"| {when} | " + " | ".join(f"{m[k]:.0f}" for k in keys) + " |")
+    lines += ["", "## Memory every %d requests (MiB)" % args.sample_every, "",
+              "| requests | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    lines += [f"| {n} | " + " | ".join(f"{m[k]:.0f}" for k in keys) + " |" for n, m in samples]
+    verdict = []
+    if len(samples) > args.warmup_samples:
+        base = samples[args.warmup_samples][1]
+        for k in keys:
+            drift = max(abs(m[k] - base[k]) / max(base[k], 1.0) for _, m in samples[args.warmup_samples:])
+            verdict.append(f"{k}: max drift {drift:.1%} after warm-up ({'flat' if drift <= args.tolerance else 'NOT flat'})")
+    lines += ["", "## Outcomes", "", "| request | outcome | count |", "|---|---|---|"]
+    lines += [f"| {label} | {outcome} | {n} |" for (label, outcome), n in sorted(counts.items())]
+    good_failed = sum(n for (label, outcome), n in counts.items() if outcome == "failed")
+    lines += ["", f"good requests failed: {good_failed}; problems: {len(problems)}; server restarts: {dict(restarts)}"]
+    lines += verdict + problems[:20]
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"soak_{device}.md").write_text(text + "\n")
+    flat = all("NOT flat" not in v for v in verdict)
+    return 0 if not problems and flat else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
