@@ -2,7 +2,8 @@
 (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are defined).
 
 - fused in-place RoPE vs the portable complex multiply;
-- fused pad + normalize + patchify vs `pad_normalize_patchify` (bit for bit).
+- fused pad + normalize + patchify vs `pad_normalize_patchify` (bit for bit);
+- JPEG chroma upsampling + YCbCr->RGB vs `ycc_to_rgb_reference` (bit for bit, row-strided planes too).
 
 On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here. The
 RoPE's exact reference on CPU is the complex product written out with separately rounded products
@@ -90,6 +91,17 @@ for w, h, t in [(30, 20, 1), (57, 41, 2), (28, 28, 1), (1, 1, 1), (100, 3, 4)]:
     # bf16: the interpreter truncates on conversion, so within one bf16 ulp here (exact on the GPU).
     got = normalize_patchify(img, table, *shape, torch.bfloat16)
     torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-30)
+
+from backends.kernels.jpeg_color import ycc_to_rgb, ycc_to_rgb_reference
+
+gen = torch.Generator().manual_seed(5)
+for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
+    for h, w in ((1, 1), (3, 2), (2, 5), (7, 9), (33, 300), (20, 4)):
+        dh, dw = -(-h // fy), -(-w // fx)
+        y = torch.randint(0, 256, (h, w + 3), dtype=torch.uint8, generator=gen)[:, :w]  # a row pitch wider than w
+        cb = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
+        cr = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
+        assert torch.equal(ycc_to_rgb(y, cb, cr, fx, fy, block=64), ycc_to_rgb_reference(y, cb, cr, fx, fy)), (fx, fy, h, w)
 print("ok")
 """
 
