@@ -33,7 +33,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.deploy.repository import Deployment, model_configs
-from contract import BATCHED_ENSEMBLE, ENSEMBLE
+from contract import BATCHED_ENSEMBLE, ENSEMBLE, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
 from backends.placeholder.expand import expand_placeholders
 from backends.preprocess.decode import open_image
@@ -51,10 +51,38 @@ def request_images(kind: str) -> list[bytes]:
         return sample_images()
     if kind == "1024":
         return [encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)]
-    raise SystemExit(f"--images must be 'sample' or '1024', got {kind!r}")
+    if kind == "8x448":
+        return [encode(photo_like(448, 448, seed=i), "JPEG", quality=90) for i in range(8)]
+    raise SystemExit(f"--images must be 'sample', '1024' or '8x448', got {kind!r}")
 
 
-def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes]) -> dict[str, int]:
+class RunningServer:
+    """A server someone else started (--url): read what it serves from its own model configs."""
+
+    def __init__(self, url: str):
+        import tritonclient.grpc as grpcclient
+
+        from backends.config import VisionConfig
+
+        self.grpc_url = url
+        c = grpcclient.InferenceServerClient(url)
+        try:
+            placeholder = c.get_model_config(PLACEHOLDER).config
+            self.ensemble_config = c.get_model_config(ENSEMBLE).config
+        finally:
+            c.close()
+        self.vision = VisionConfig.from_json(placeholder.parameters["vision_config"].string_value)
+        embeds = next(o for o in self.ensemble_config.output if o.name == "IMAGE_EMBEDS")
+        self.device = "gpu" if embeds.data_type == mc.TYPE_BF16 else "cpu"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes], served: RunningServer | None = None) -> dict[str, int]:
     """Bytes of each ensemble output for one request (without a batch dimension), as `dep` serves it.
 
     Rows come from the planning the placeholder step runs (the checkpoint's resize rule and 2x2 merge:
@@ -63,13 +91,14 @@ def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes]) -> dict[s
     deployment's checkpoint config; BF16 on GPU, FP32 on CPU). An output this function has no row
     count for raises, so a new output cannot silently get a too-small shared-memory region.
     """
+    vision = served.vision if served else dep.vision
     sizes = [open_image(b, i, dep.limits.max_image_pixels).size for i, b in enumerate(images)]
-    counts = [m.plan.num_tokens for m in plan_media(sizes, dep.vision.media, dep.limits)]
-    expanded = expand_placeholders(input_ids, dep.vision.tokens.media_pad, counts)
+    counts = [m.plan.num_tokens for m in plan_media(sizes, vision.media, dep.limits)]
+    expanded = expand_placeholders(input_ids, vision.tokens.media_pad, counts)
     rows = {"EXPANDED_IDS": len(expanded), "IMAGE_EMBEDS": sum(counts),
             "GRID_THWS": len(counts), "IMAGE_TOKEN_COUNTS": len(counts)}
     sizes = {}
-    for out in model_configs(dep)[ENSEMBLE].output:
+    for out in (served.ensemble_config if served else model_configs(dep)[ENSEMBLE]).output:
         if out.name not in rows:
             raise ValueError(f"output {out.name} of {ENSEMBLE} has no size rule in output_byte_sizes")
         dtype = mc.DataType.Name(out.data_type)
@@ -123,7 +152,12 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     ap.add_argument("--perf-dir", type=Path, default=Path(".venv/perf_analyzer"))
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
-    ap.add_argument("--images", default="sample", help="'sample' (2 images per request) or '1024' (one 1024^2 JPEG)")
+    ap.add_argument("--images", default="sample",
+                    help="'sample' (2 images per request), '1024' (one 1024^2 JPEG) or '8x448' (eight 448^2 JPEGs)")
+    ap.add_argument("--url", help="measure a running server at host:port (gRPC) instead of starting one")
+    ap.add_argument("--encoder-alone", action="store_true",
+                    help="GPU, own server: also time the encoder alone in this process on the same weights and "
+                         "pixels, and print the images/s it allows next to the served ones")
     ap.add_argument("--measurement-ms", type=int, default=4000)
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer --stability-percentage")
     ap.add_argument("--ensembles", default="plain",
@@ -150,14 +184,17 @@ def main(argv=None) -> int:
     # One request for every mode of the run, so that the modes compare like for like.
     with_frames = shm_modes != ["none"]
     data = write_input_data(args.out / "input_data.json", images, media_frames=with_frames)
+    served = RunningServer(args.url) if args.url else None
+    if served:
+        device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint)
-    sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images)
+    sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
     if max(levels) > dep.max_queue:
         print(f"note: concurrency {max(levels)} exceeds moonvit3d's queue bound ({dep.max_queue}); the server "
               f"refuses what does not fit, so expect errors there")
-    server = deployment_server(dep, f"perf-{device}")
+    server = served or deployment_server(dep, f"perf-{device}")
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows = []
     t0 = time.monotonic()
@@ -197,6 +234,7 @@ def main(argv=None) -> int:
             with open(csv_path) as f:
                 rows += [{**row, "model": model, "shm": shm} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
+    encoder_line = encoder_alone_line(args.checkpoint, images, args) if args.encoder_alone and not served else ""
 
     lines = [f"$ python -m bench.perf {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
              f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "
@@ -208,6 +246,8 @@ def main(argv=None) -> int:
              "out ms = server compute output (avg), net ms = network + server send/recv (avg)",
              f"{'ensemble':>24} {'shm':>6} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} "
              f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8}"]
+    if encoder_line:
+        lines.insert(3, encoder_line)
     for row in rows:
         head = f"{row['model']:>24} {row['shm']:>6} {row['Concurrency']:>11}"
         if "failed" in row:
@@ -221,6 +261,28 @@ def main(argv=None) -> int:
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
     return 0
+
+
+def encoder_alone_line(checkpoint: str, images: list[bytes], args) -> str:
+    """The encoder alone in this process, as the server runs it (bf16, CUDA graphs), on the request's
+    pixels: the images/s it allows, to compare the served images/s with in the same run."""
+    import statistics
+
+    import torch
+
+    from backends.encoder.graphs import GraphedEncoder
+    from backends.preprocess import Preprocessor
+    from backends.weights.load import load_model
+    from bench.e2e_bench import timed
+
+    model, cfg = load_model(checkpoint, "cuda", torch.bfloat16)
+    encoder = GraphedEncoder(model, max_graphs=Deployment().cuda_graphs)
+    pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(images)
+    ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
+    del model, encoder
+    torch.cuda.empty_cache()
+    return (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
+            f"{1000 / ms * len(images):.1f} images/s")
 
 
 if __name__ == "__main__":

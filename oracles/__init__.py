@@ -2,5 +2,6 @@
 
 - transformers_kimi: transformers' own Kimi-K2.5 model, the encoder's oracle;
 - checkpoint_processor: the checkpoint processor's pixel arithmetic restated with Pillow + numpy;
-- random_checkpoint: seeded random checkpoints in the original on-disk layout.
+- random_checkpoint: seeded random checkpoints in the original on-disk layout;
+- jpeg_corpus: generated JPEGs covering what the exact GPU decoder must equal Pillow on.
 """

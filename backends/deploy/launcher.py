@@ -372,8 +372,8 @@ def main(argv=None) -> int:
                     help=f"'<header>=<value>': the {ADMIN_APIS} APIs answer only requests carrying it")
     ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
                     help="moonvit3d instances per GPU (in all on CPU)")
-    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "1")),
-                    help="kimi_preprocess instances per GPU (in all on CPU)")
+    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
+                    help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

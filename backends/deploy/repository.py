@@ -40,15 +40,20 @@ class Deployment:
     limits: Limits = field(default_factory=Limits)
     gpus: int = 1  # GPU deployment: GPUs 0..gpus-1 as this process sees them (CUDA_VISIBLE_DEVICES applies)
     encoder_instances: int = 1  # per GPU (GPU deployment) or in all (CPU)
-    preprocess_instances: int = 1  # likewise
+    # 0: 1 on CPU, 2 per GPU, so that one request's preprocessing overlaps another's encoder forward.
+    preprocess_instances: int = 0
     max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
-    batch_delay_us: int = 2000  # how long moonvit3d's batcher waits for more requests
+    # How long moonvit3d's batcher waits for more requests. 0: no window; requests that queue while the
+    # encoder is busy are still batched, and nobody pays for waiting when there is nothing to batch.
+    batch_delay_us: int = 0
     max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.preprocess_instances == 0:
+            object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")

@@ -1,12 +1,14 @@
 """Encoded images -> (PIXEL_VALUES, GRID_THWS): decode, navit resize, pad, normalize, patchify.
 
 Each image is opened once: its header gives the size for the plan (media.py), and the same handle is
-decoded. On CPU the resize is Pillow itself (the reference). On a GPU the decoded uint8 frame is
-uploaded and resized by `bicubic.resize_bicubic`, which equals Pillow bit for bit, and one Triton
-kernel pads, normalizes and patchifies it (kernels/patchify.py).
+decoded. On CPU the resize is Pillow itself (the reference). On a GPU, JPEGs that the exact GPU path
+reproduces are decoded there (jpeg_gpu.py: nvJPEG's hardware decoder + libjpeg-turbo's upsampling
+and colour conversion), everything else by Pillow and uploaded; then `bicubic.resize_bicubic`, which
+equals Pillow bit for bit, and one Triton kernel that pads, normalizes and patchifies
+(kernels/patchify.py).
 
-Decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead of
-the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
+Pillow decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead
+of the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
 request decodes in parallel, and the values cannot change (each frame is decoded on its own).
 """
 
@@ -28,9 +30,14 @@ from backends.errors import RequestCancelled
 from backends.kernels import patchify
 from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess.decode import decode_rgb, open_image
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.media import MediaPlan, check_image_count, plan_media
 from backends.preprocess.normalize import normalization_table
 from backends.preprocess.resize_rule import ResizePlan
+
+
+def _pixels(img: Image.Image) -> int:
+    return img.size[0] * img.size[1]
 
 
 def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
@@ -43,6 +50,8 @@ def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
 # Host decode threads, shared by every Preprocessor in the process, and frames decoded ahead.
 DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1)))
 DECODE_AHEAD = DECODE_THREADS
+# Decoded pixels one batched GPU decode may hold at once (a request may carry 64 huge JPEGs).
+GPU_DECODE_PIXELS = 64 << 20
 _POOL_LOCK = threading.Lock()
 
 
@@ -52,7 +61,7 @@ class Preprocessor:
     _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, media: MediaConfig, limits: Limits = Limits(), device: str | torch.device = "cpu",
-                 out_dtype: torch.dtype = torch.float32, resize: str | None = None):
+                 out_dtype: torch.dtype = torch.float32, resize: str | None = None, gpu_jpeg: bool | None = None):
         self.media = media
         self.limits = limits
         self.device = torch.device(device)
@@ -62,6 +71,13 @@ class Preprocessor:
         if self.resize not in ("pillow", "torch"):
             raise ValueError(f"resize must be 'pillow' or 'torch', got {self.resize!r}")
         self.table = torch.from_numpy(normalization_table(media)).to(self.device)
+        # Exact GPU JPEG decoding where there is a GPU (None: on unless KIMI_GPU_JPEG=0; self-checked).
+        self.jpeg = GpuJpegDecoder(self.device, gpu_jpeg) if self.device.type == "cuda" and gpu_jpeg is not False else None
+
+    @property
+    def decode_stats(self):
+        """(path, reason) -> images decoded since start: ("gpu", "") or ("pillow", why)."""
+        return self.jpeg.stats if self.jpeg is not None else {}
 
     def open(self, blobs: Sequence[bytes]) -> list[Image.Image]:
         """Every image's header (garbage and bombs are refused here, before any pixel is decoded)."""
@@ -79,20 +95,57 @@ class Preprocessor:
             rgb = resize_pillow(rgb, plan.width, plan.height)
         return np.array(rgb)  # a writable copy: torch.from_numpy wants one
 
-    def device_frame(self, array: np.ndarray, plan: ResizePlan) -> torch.Tensor:
-        """The rest: (h, w, 3) uint8 on the target device, resized."""
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host frame (h, w, 3) uint8 onto the target device."""
         pixels = torch.from_numpy(array)
-        if self.resize == "pillow":
-            return pixels.to(self.device)
         if self.device.type == "cuda":
-            pixels = pixels.pin_memory().to(self.device, non_blocking=True)
+            return pixels.pin_memory().to(self.device, non_blocking=True)
+        return pixels.to(self.device)
+
+    def _resize(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+        """(h, w, 3) uint8 on the device at the plan's size (Pillow already resized on its path)."""
+        if tuple(pixels.shape[:2]) == (plan.height, plan.width):
+            return pixels
         return resize_bicubic(pixels, plan.width, plan.height)
 
-    def _frames(self, images: Sequence[Image.Image], plans: list[MediaPlan]):
-        """Every frame of every media in order, host work done up to DECODE_AHEAD frames ahead."""
+    def _frames(self, blobs: Sequence[bytes], images: Sequence[Image.Image], plans: list[MediaPlan]):
+        """Every frame of every media in order, on the device and resized. JPEGs the GPU path takes are
+        decoded there in batches of up to GPU_DECODE_PIXELS; the rest by Pillow, up to DECODE_AHEAD
+        frames ahead."""
         jobs = [(i, m.plan) for m in plans for i in m.frames]
+        on_gpu = set()
+        if self.jpeg is not None:
+            for i, _ in jobs:
+                why = self.jpeg.reason(images[i])
+                if why is None:
+                    on_gpu.add(i)
+                else:
+                    self.jpeg.stats[("pillow", why)] += 1
+        decoded: dict[int, torch.Tensor | None] = {}
+        host = self._host_frames([(i, plan) for i, plan in jobs if i not in on_gpu], images)
+        try:
+            for n, (i, plan) in enumerate(jobs):
+                if i in on_gpu and i not in decoded:
+                    group, pixels = [], 0
+                    for j, _ in jobs[n:]:
+                        if j in on_gpu and j not in decoded and (not group or pixels + _pixels(images[j]) <= GPU_DECODE_PIXELS):
+                            group.append(j)
+                            pixels += _pixels(images[j])
+                    decoded.update(zip(group, self.jpeg.decode([blobs[j] for j in group], [images[j] for j in group])))
+                rgb = decoded.pop(i, None) if i in on_gpu else None
+                if rgb is None and i in on_gpu:  # the hardware decoder refused it: Pillow, here
+                    rgb = self._upload(self.host_frame(images[i], i, plan))
+                elif rgb is None:
+                    rgb = next(host)
+                yield self._resize(rgb, plan)
+        finally:
+            host.close()
+
+    def _host_frames(self, jobs, images: Sequence[Image.Image]):
+        """Pillow-decoded frames of `jobs` in order, as device tensors, the host work done up to
+        DECODE_AHEAD frames ahead on the decode threads."""
         if len(jobs) <= 1:
-            yield from (self.device_frame(self.host_frame(images[i], i, plan), plan) for i, plan in jobs)
+            yield from (self._upload(self.host_frame(images[i], i, plan)) for i, plan in jobs)
             return
         with _POOL_LOCK:  # concurrent first calls must not each start a pool (idle threads never exit)
             if Preprocessor._pool is None:
@@ -104,7 +157,7 @@ class Preprocessor:
                 while len(pending) < DECODE_AHEAD and n + len(pending) < len(jobs):
                     j, p = jobs[n + len(pending)]
                     pending.append(Preprocessor._pool.submit(self.host_frame, images[j], j, p))
-                yield self.device_frame(pending.popleft().result(), plan)
+                yield self._upload(pending.popleft().result())
         finally:
             for f in pending:  # a failed frame: do not decode the rest
                 f.cancel()
@@ -117,7 +170,7 @@ class Preprocessor:
         chunks = []
         # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
-        with contextlib.closing(self._frames(images, plans)) as frames_in_order:
+        with contextlib.closing(self._frames(blobs, images, plans)) as frames_in_order:
             for m in plans:
                 if cancelled is not None and cancelled():
                     raise RequestCancelled(f"cancelled by the client after {len(chunks)} of {len(plans)} media")

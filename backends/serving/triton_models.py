@@ -18,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends.errors import RequestCancelled, RequestError
+from backends.serving.profiling import ExecuteProfiler
 from contract import FORWARD_SUFFIX
 from backends.serving.steps import EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep
 
@@ -153,6 +154,7 @@ class _Adapter:
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
         self.failures = _FailureCounter(self.name)
+        self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
         # Outputs the repository declares twice, the copy for the next step (contract.FORWARD_SUFFIX).
@@ -170,6 +172,10 @@ class _Adapter:
         raise NotImplementedError
 
     def execute(self, requests):
+        with self.profiler():
+            return self._execute(requests)
+
+    def _execute(self, requests):
         responses = []
         for request in requests:
             try:
@@ -229,7 +235,7 @@ class EncoderModel(_Adapter):
                               dtype=_out_dtype(self.config, "IMAGE_EMBEDS"), config=self.settings.vision)
         self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
 
-    def execute(self, requests):
+    def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:

@@ -1,0 +1,159 @@
+"""Exact JPEG decoding on the GPU: which images may go there, the decode, and the start-up self-check.
+
+Route (docs/jpeg_decoding.md): nvJPEG's hardware decoder gives the raw Y/Cb/Cr planes (nvjpeg.py), and
+kernels/jpeg_color.py applies libjpeg-turbo's fancy upsampling and fixed-point YCbCr->RGB, so the
+result equals Pillow's `Image.open(f).convert("RGB")`. Everything else stays on Pillow, counted by
+reason in `stats`, never a wrong pixel: not a JPEG, progressive or arithmetic coding, CMYK/YCCK,
+an RGB-coded JPEG (Adobe transform 0, or R/G/B component ids without JFIF), other bit depths,
+subsampling other than 4:4:4, 4:2:2, 4:2:0, 4:4:0 or grayscale, and whatever the hardware decoder
+refuses. At start-up a self-check decodes a few generated JPEGs both ways; one differing pixel
+turns GPU decoding off, with a log line.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import Counter
+
+import numpy as np
+import torch
+from PIL import Image
+
+from backends.kernels import jpeg_color
+from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
+
+log = logging.getLogger("kimi_vision.jpeg")
+
+_FACTORS = ((1, 1), (2, 1), (2, 2), (1, 2))
+
+
+def pillow_reason(img: Image.Image) -> str | None:
+    """Why an opened image must be decoded by Pillow; None if the GPU path reproduces it exactly.
+    Reads only what Pillow parsed from the header."""
+    if img.format != "JPEG":
+        return "not_jpeg"
+    if img.mode not in ("RGB", "L"):
+        return "color_space"  # CMYK, YCCK
+    if img.info.get("progressive") or img.info.get("progression"):
+        return "progressive"
+    if getattr(img, "bits", 8) != 8:
+        return "bit_depth"
+    layers = getattr(img, "layer", None) or []
+    if img.mode == "L":
+        return None if len(layers) == 1 else "color_space"
+    if len(layers) != 3:
+        return "color_space"
+    (_, h0, v0, _), chroma = layers[0], layers[1:]
+    if (h0, v0) not in _FACTORS or any((h, v) != (1, 1) for _, h, v, _ in chroma):
+        return "sampling"
+    if "adobe" in img.info and img.info.get("adobe_transform") == 0:
+        return "color_space"  # stored as RGB, no YCbCr transform
+    ids = [ord(layer[0]) if isinstance(layer[0], str) else layer[0] for layer in layers]
+    if "jfif" not in img.info and "adobe" not in img.info and ids == [ord("R"), ord("G"), ord("B")]:
+        return "color_space"  # libjpeg reads R, G, B component ids as RGB
+    return None
+
+
+def self_check_images() -> list[bytes]:
+    """Small JPEGs covering every sampling the GPU path takes, odd sizes and fancy-upsampling edges."""
+    rng = np.random.default_rng(7)
+    blobs = []
+    for w, h in ((67, 45), (3, 2), (257, 131), (16, 9)):
+        y, x = np.mgrid[0:h, 0:w]
+        rgb = np.stack([(x * 3 + y * 5) % 256, (x * 7 + 40) % 256, (y * 11 + x) % 256], -1) + rng.integers(-30, 30, (h, w, 3))
+        img = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+        for subsampling in (0, 1, 2):
+            for quality in (75, 100):
+                buf = io.BytesIO()
+                img.save(buf, "JPEG", quality=quality, subsampling=subsampling)
+                blobs.append(buf.getvalue())
+        buf = io.BytesIO()
+        img.convert("L").save(buf, "JPEG", quality=90)
+        blobs.append(buf.getvalue())
+    return blobs
+
+
+class GpuJpegDecoder:
+    """Per model instance: routes, decodes, keeps `stats` (path, reason) -> images."""
+
+    def __init__(self, device: torch.device, enabled: bool | None = None):
+        self.device = torch.device(device)
+        self.stats: Counter = Counter()
+        self.decoder: HardwareJpegDecoder | None = None
+        self.off_reason = ""
+        if enabled is None:
+            enabled = os.environ.get("KIMI_GPU_JPEG", "1") != "0"
+        if not enabled:
+            self.off_reason = "turned off (KIMI_GPU_JPEG=0)"
+            return
+        try:
+            self.decoder = HardwareJpegDecoder(self.device)
+        except (NvJpegUnavailable, NvJpegError) as exc:
+            self.off_reason = str(exc)
+            log.warning("exact GPU JPEG decoding is off: %s; JPEGs are decoded by Pillow", exc)
+            return
+        mismatches = self.self_check()
+        if mismatches:
+            self.decoder = None
+            self.off_reason = f"self-check: {mismatches} of the generated JPEGs differ from Pillow"
+            log.error("exact GPU JPEG decoding is off: %s; JPEGs are decoded by Pillow", self.off_reason)
+        else:
+            log.info("exact GPU JPEG decoding is on (nvJPEG hardware decoder; self-check equal to Pillow)")
+        self.stats.clear()
+
+    @property
+    def enabled(self) -> bool:
+        return self.decoder is not None
+
+    def self_check(self) -> int:
+        blobs = self_check_images()
+        images = [Image.open(io.BytesIO(b)) for b in blobs]
+        try:
+            got = self.decode(blobs, images)
+        except (NvJpegError, ValueError) as exc:
+            log.error("GPU JPEG self-check failed: %s", exc)
+            return len(blobs)
+        bad = 0
+        for blob, img, rgb in zip(blobs, images, got):
+            ref = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+            if rgb is None or not np.array_equal(rgb.cpu().numpy(), ref):
+                bad += 1
+        return bad
+
+    def reason(self, img: Image.Image) -> str | None:
+        """Why `img` goes to Pillow, None if it goes to the GPU."""
+        if self.decoder is None:
+            return "gpu_decode_off" if img.format == "JPEG" else "not_jpeg"
+        return pillow_reason(img)
+
+    def decode(self, blobs: list[bytes], images: list[Image.Image]) -> list[torch.Tensor | None]:
+        """RGB (H, W, 3) uint8 on the device for each blob the hardware decoder takes (one batched decode,
+        no host sync), None for those it refuses (decode them with Pillow). `images` are the opened
+        handles: their header sizes must agree with nvJPEG's."""
+        infos: list[JpegInfo | None] = []
+        for blob, img in zip(blobs, images):
+            info = self.decoder.info(blob)
+            why = self.decoder.unsupported(blob, info)
+            if why is None and (info.width, info.height) != img.size:
+                why = f"nvJPEG reads {info.width}x{info.height}, Pillow {img.size[0]}x{img.size[1]}"
+            if why is not None:
+                self.stats[("pillow", "nvjpeg_refused")] += 1
+                infos.append(None)
+            else:
+                infos.append(info)
+        todo = [k for k, info in enumerate(infos) if info is not None]
+        out: list[torch.Tensor | None] = [None] * len(blobs)
+        if not todo:
+            return out
+        planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
+        for k, p in zip(todo, planes):
+            info = infos[k]
+            y = p[0][: info.height, : info.width]
+            if info.factors is None:  # grayscale: convert("RGB") repeats L
+                out[k] = y.unsqueeze(-1).expand(-1, -1, 3).contiguous()
+            else:
+                out[k] = jpeg_color.ycc_to_rgb(y, p[1], p[2], *info.factors)
+            self.stats[("gpu", "")] += 1
+        return out

@@ -1,0 +1,175 @@
+"""nvJPEG's hardware JPEG decoder, through ctypes, to the raw (not upsampled) Y/Cb/Cr planes.
+
+Why the hardware backend and raw planes (docs/jpeg_decoding.md#nvjpeg-against-pillow): on an H200 the
+planes of nvJPEG's hardware decoder (the NVJPG engines of A100/H100-class GPUs) equal libjpeg-turbo's
+islow IDCT output exactly, while nvJPEG's CUDA backends (hybrid, GPU hybrid) differ by one level in a
+few percent of pixels, and nvJPEG's own chroma upsampling differs from libjpeg-turbo's. So we take the
+hardware decoder's planes and upsample and convert them ourselves (kernels/jpeg_color.py).
+
+The library: KIMI_NVJPEG_LIB, else the copy torchvision's wheel bundles, else the nvidia-nvjpeg wheel's,
+else the system's. Nothing here runs without a GPU; `HardwareJpegDecoder` raises NvJpegUnavailable
+where the library or the hardware decoder is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import os
+import sysconfig
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+NVJPEG_BACKEND_HARDWARE = 3
+NVJPEG_OUTPUT_YUV = 1
+NVJPEG_STATUS_ARCH_MISMATCH = 7
+# nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
+SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
+SUBSAMPLING_NAMES = {0: "4:4:4", 1: "4:2:2", 2: "4:2:0", 3: "4:4:0", 4: "4:1:1", 5: "4:1:0", 6: "gray", 7: "4:1:0V"}
+_STATUS = {1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG", 4: "JPEG_NOT_SUPPORTED", 5: "ALLOCATOR_FAILURE",
+           6: "EXECUTION_FAILED", 7: "ARCH_MISMATCH", 8: "INTERNAL_ERROR", 9: "IMPLEMENTATION_NOT_SUPPORTED",
+           10: "INCOMPLETE_BITSTREAM"}
+
+
+class NvJpegUnavailable(RuntimeError):
+    """No nvJPEG library, or no hardware JPEG decoder on this GPU."""
+
+
+class NvJpegError(RuntimeError):
+    pass
+
+
+class _Image(ctypes.Structure):  # nvjpegImage_t
+    _fields_ = [("channel", ctypes.c_void_p * 4), ("pitch", ctypes.c_size_t * 4)]
+
+
+def find_library() -> str:
+    candidates = [os.environ.get("KIMI_NVJPEG_LIB", "")]
+    spec = importlib.util.find_spec("torchvision")
+    if spec and spec.origin:
+        candidates += sorted(glob.glob(os.path.join(os.path.dirname(spec.origin) + ".libs", "libnvjpeg*.so*")))
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvjpeg.so*")))
+        candidates += sorted(glob.glob(os.path.join(site, "nvidia", "nvjpeg", "lib", "libnvjpeg.so*")))
+    candidates += [ctypes.util.find_library("nvjpeg") or "", "libnvjpeg.so.13", "libnvjpeg.so.12"]
+    for path in candidates:
+        if not path:
+            continue
+        try:
+            ctypes.CDLL(path)
+            return path
+        except OSError:
+            continue
+    raise NvJpegUnavailable("no libnvjpeg found (torchvision's wheel, the nvidia-nvjpeg wheel or KIMI_NVJPEG_LIB)")
+
+
+_P, _INT, _SIZE = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+_SIGNATURES = {
+    "nvjpegCreateEx": [_INT, _P, _P, ctypes.c_uint, ctypes.POINTER(_P)],
+    "nvjpegJpegStateCreate": [_P, ctypes.POINTER(_P)],
+    "nvjpegJpegStreamCreate": [_P, ctypes.POINTER(_P)],
+    "nvjpegGetImageInfo": [_P, ctypes.c_char_p, _SIZE, ctypes.POINTER(_INT), ctypes.POINTER(_INT),
+                           ctypes.POINTER(_INT), ctypes.POINTER(_INT)],
+    "nvjpegJpegStreamParseHeader": [_P, ctypes.c_char_p, _SIZE, _P],
+    "nvjpegDecodeBatchedSupported": [_P, _P, ctypes.POINTER(_INT)],
+    "nvjpegDecodeBatchedInitialize": [_P, _P, _INT, _INT, _INT],
+    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
+}
+
+
+@dataclass(frozen=True)
+class JpegInfo:
+    width: int
+    height: int
+    components: int
+    subsampling: int  # nvjpegChromaSubsampling_t
+    widths: tuple[int, ...]  # per plane, as stored
+    heights: tuple[int, ...]
+
+    @property
+    def factors(self) -> tuple[int, int] | None:
+        return SUBSAMPLING.get(self.subsampling)
+
+
+class HardwareJpegDecoder:
+    """Decodes baseline JPEGs on `device` to their planes. One per model instance (not thread-safe)."""
+
+    def __init__(self, device: torch.device, library: str | None = None):
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise NvJpegUnavailable("no CUDA device")
+        try:
+            self.lib = ctypes.CDLL(library or find_library())
+        except OSError as exc:
+            raise NvJpegUnavailable(str(exc)) from None
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = argtypes, _INT
+        with torch.cuda.device(self.device):
+            torch.cuda.current_stream(self.device)  # the context exists before nvJPEG uses it
+            self.handle, self.state, self.jpeg_stream = _P(), _P(), _P()
+            status = self.lib.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(self.handle))
+            if status == NVJPEG_STATUS_ARCH_MISMATCH:
+                raise NvJpegUnavailable(f"{torch.cuda.get_device_name(self.device)} has no hardware JPEG decoder")
+            self._ok(status, "nvjpegCreateEx(HARDWARE)")
+            self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
+            self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
+        # Bitstreams stay referenced until the stream has passed the decode that reads them.
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes]]] = deque()
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:
+            raise NvJpegError(f"{what} failed: {_STATUS.get(status, status)}")
+
+    def info(self, data: bytes) -> JpegInfo:
+        n, css = _INT(), _INT()
+        widths, heights = (_INT * 4)(), (_INT * 4)()
+        self._ok(self.lib.nvjpegGetImageInfo(self.handle, data, len(data), ctypes.byref(n), ctypes.byref(css),
+                                             widths, heights), "nvjpegGetImageInfo")
+        planes = n.value if n.value in (1, 3) else 0
+        return JpegInfo(widths[0], heights[0], n.value, css.value, tuple(widths[:planes]), tuple(heights[:planes]))
+
+    def unsupported(self, data: bytes, info: JpegInfo) -> str | None:
+        """Why the hardware decoder (or our conversion) cannot take this image, None if it can."""
+        if info.components not in (1, 3) or info.subsampling not in SUBSAMPLING:
+            return f"{info.components} components, {SUBSAMPLING_NAMES.get(info.subsampling, info.subsampling)}"
+        self._ok(self.lib.nvjpegJpegStreamParseHeader(self.handle, data, len(data), self.jpeg_stream), "ParseHeader")
+        flag = _INT(-1)
+        self._ok(self.lib.nvjpegDecodeBatchedSupported(self.handle, self.jpeg_stream, ctypes.byref(flag)),
+                 "nvjpegDecodeBatchedSupported")
+        return None if flag.value == 0 else "not decodable by the hardware decoder (e.g. progressive)"
+
+    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
+        """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
+        batched hardware decode on the current stream (no host sync)."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        sizes = [[w * h for w, h in zip(i.widths, i.heights)] for i in infos]
+        slack = 1 << 16  # room past the last plane, should the decoder write whole MCU rows
+        buffer = torch.empty(sum(map(sum, sizes)) + slack, dtype=torch.uint8, device=self.device)
+        images = (_Image * len(datas))()
+        planes, offset = [], 0
+        for k, (info, plane_sizes) in enumerate(zip(infos, sizes)):
+            views = []
+            for c, size in enumerate(plane_sizes):
+                view = buffer[offset: offset + size].view(info.heights[c], info.widths[c])
+                images[k].channel[c], images[k].pitch[c] = view.data_ptr(), info.widths[c]
+                views.append(view)
+                offset += size
+            planes.append(views)
+        stream = torch.cuda.current_stream(self.device)
+        self._ok(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, len(datas), 1, NVJPEG_OUTPUT_YUV),
+                 "nvjpegDecodeBatchedInitialize")
+        pointers = (ctypes.c_char_p * len(datas))(*datas)
+        lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
+        self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
+                                              _P(stream.cuda_stream)), "nvjpegDecodeBatched")
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._in_flight.append((event, list(datas)))
+        return planes

@@ -1,0 +1,139 @@
+"""Where a request's time goes: one row per stage, per case, all in one run (GPU).
+
+    python -m bench.stage_bench --checkpoint /tmp/kimi-random --out bench/out [--profile]
+
+Cases: 1x1024^2, 1x3000^2, 8x448^2 JPEGs (quality 90, 4:2:0). Per case:
+- end to end: the client's wall time, IMAGE_EMBEDS written into one CUDA region registered once
+  (`KimiVisionClient.infer_into`, what a co-located LLM does), median of --iters;
+- per composing model, from tritonserver's statistics API over those same requests: queue, compute
+  input, compute infer and compute output per request (ms);
+- the encoder alone, in this process on the same weights and pixels, as the server runs it (bf16,
+  CUDA graphs for grid lists seen before): median of CUDA-synchronized wall times;
+- decode alone: the exact GPU decode (nvJPEG hardware planes + our upsampling/colour kernel) and
+  Pillow's `Image.open(f).convert("RGB")` on one core, per request's images.
+Then end to end / encoder alone, the issue's target (<= 1.25x). --profile also writes the stubs'
+torch-profiler tables (backends/serving/profiling.py) under --out/profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from backends.deploy.launcher import deployment_server
+from backends.deploy.repository import Deployment
+from backends.encoder.graphs import GraphedEncoder
+from backends.preprocess import Preprocessor
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+from backends.weights.load import load_model
+from bench.e2e_bench import CASES, timed
+from bench.gpu_timing import machine_line, write_report
+from bench.perf import output_byte_sizes
+from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def model_stats(client, model: str) -> dict[str, float]:
+    """Cumulative (count, ns per stage) of one model, from tritonserver's statistics API."""
+    s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
+    out = {"count": float(s.get("success", {}).get("count", 0))}
+    for stage in STAGES:
+        out[stage] = float(s.get(stage, {}).get("ns", 0))
+    return out
+
+
+def per_request_ms(before: dict, after: dict) -> dict[str, float]:
+    n = max(after["count"] - before["count"], 1.0)
+    return {stage: (after[stage] - before[stage]) / n / 1e6 for stage in STAGES}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        os.environ["KIMI_PROFILE_DIR"] = str((args.out / "profile").resolve())
+    dep = Deployment(device="gpu", checkpoint=args.checkpoint)
+    requests = {}
+    for case, sizes in CASES.items():
+        blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
+        ids = chat_prompt_ids(len(blobs))
+        requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
+
+    # In process: the encoder as the server runs it, and decoding alone.
+    model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
+    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
+    pre = Preprocessor(cfg.media, dep.limits, device="cuda", out_dtype=torch.bfloat16)
+    jpeg = GpuJpegDecoder(torch.device("cuda"))
+    alone = {}
+    for case, (ids, blobs, _) in requests.items():
+        pixels, grids, _ = pre(blobs)
+        enc_ms = statistics.median(timed(lambda: encoder(pixels, grids), args.iters, warmup=3))
+        images = [Image.open(io.BytesIO(b)) for b in blobs]
+        gpu_ms = (statistics.median(timed(lambda: jpeg.decode(blobs, [Image.open(io.BytesIO(b)) for b in blobs]), args.iters))
+                  if jpeg.enabled else float("nan"))
+        pil_ms = statistics.median(timed(lambda: [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs],
+                                         max(3, args.iters // 4), warmup=1))
+        pre_ms = statistics.median(timed(lambda: pre(blobs), args.iters))
+        alone[case] = {"encoder_ms": enc_ms, "gpu_decode_ms": gpu_ms, "pillow_decode_ms": pil_ms,
+                       "preprocess_ms": pre_ms, "images": len(images)}
+    del model, encoder
+    torch.cuda.empty_cache()
+
+    results, lines = {}, []
+    with deployment_server(dep, "stages") as server:
+        client = KimiVisionClient(server.grpc_url)
+        region = CudaOutputRegion(client, max(n for *_, n in requests.values()))
+        import tritonclient.grpc as grpcclient
+
+        stats_client = grpcclient.InferenceServerClient(server.grpc_url)
+        for case, (ids, blobs, _) in requests.items():
+            for _ in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
+                client.infer_into(region, ids, blobs)
+            before = {m: model_stats(stats_client, m) for m in (ENSEMBLE, PLACEHOLDER, PREPROCESS, ENCODER)}
+            wall = timed(lambda: client.infer_into(region, ids, blobs), args.iters, warmup=0)
+            after = {m: model_stats(stats_client, m) for m in before}
+            stages = {m: per_request_ms(before[m], after[m]) for m in before}
+            e2e = statistics.median(wall)
+            results[case] = {"end_to_end_ms": e2e, "stages": stages, **alone[case],
+                             "end_to_end_over_encoder": e2e / alone[case]["encoder_ms"]}
+        region.close()
+        client.close()
+        stats_client.close()
+        if args.profile:
+            server.stop()  # the stubs write their profiles as their window closes; stopping flushes nothing more
+
+    lines += ["# Stage breakdown: where a request's time goes (GPU deployment)\n", f"{machine_line()}\n",
+              f"checkpoint {args.checkpoint}; {args.iters} requests per case after 3 warm-ups; end to end = client wall "
+              "time with IMAGE_EMBEDS written into one registered CUDA region; per-model times from tritonserver's "
+              "statistics over the same requests (ms per request); encoder and decode alone in this process.\n",
+              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | Pillow decode (1 core) |",
+              "|---|---|---|---|---|---|---|"]
+    for case, r in results.items():
+        lines.append(f"| {case} | {r['end_to_end_ms']:.1f} | {r['encoder_ms']:.1f} | {r['end_to_end_over_encoder']:.2f}x | "
+                     f"{r['preprocess_ms']:.1f} | {r['gpu_decode_ms']:.2f} | {r['pillow_decode_ms']:.1f} |")
+    lines += ["", "| case | model | queue | compute input | compute infer | compute output |", "|---|---|---|---|---|---|"]
+    for case, r in results.items():
+        for m, st in r["stages"].items():
+            lines.append(f"| {case} | {m} | " + " | ".join(f"{st[s]:.2f}" for s in STAGES) + " |")
+    write_report(args.out, "stage_bench", lines, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

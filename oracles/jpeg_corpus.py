@@ -1,0 +1,62 @@
+"""Generated JPEGs for the exact-decode tests and benchmark: every sampling, qualities 30-100, sizes
+that are not multiples of 8 or 16, restart markers, EXIF and ICC segments, grayscale; plus files the
+GPU path must leave to Pillow (progressive, CMYK)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+
+def photo(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    base = 128 + 90 * np.sin(x / (7 + seed % 13)) * np.cos(y / 11) + rng.normal(0, 12, (h, w))
+    rgb = np.stack([base, np.roll(base, 3, 0) * 0.8 + 30, 255 - base], -1)
+    return Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+
+
+def _save(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def corpus() -> list[tuple[str, bytes]]:
+    """(label, JPEG bytes); the GPU path must equal Pillow on every one it takes."""
+    out = []
+    sizes = [(1, 1), (3, 2), (17, 9), (67, 45), (257, 131), (641, 479), (1001, 667)]
+    for w, h in sizes:
+        img = photo(w, h, seed=w + h)
+        for sub, name in ((0, "444"), (1, "422"), (2, "420")):
+            for q in (30, 75, 90, 100):
+                out.append((f"{w}x{h} {name} q{q}", _save(img, quality=q, subsampling=sub)))
+        out.append((f"{w}x{h} gray q85", _save(img.convert("L"), quality=85)))
+    img = photo(333, 222, seed=3)
+    out.append(("333x222 420 restart rows", _save(img, quality=90, subsampling=2, restart_marker_rows=1)))
+    out.append(("333x222 422 restart blocks", _save(img, quality=90, subsampling=1, restart_marker_blocks=7)))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation "rotate 90": the reference ignores it, so must we
+    out.append(("333x222 420 exif", _save(img, quality=90, subsampling=2, exif=exif.tobytes())))
+    out.append(("333x222 444 icc", _save(img, quality=90, subsampling=0, icc_profile=b"\0" * 128 + b"fake icc")))
+    out.append(("333x222 420 optimized", _save(img, quality=90, subsampling=2, optimize=True)))
+    try:  # 4:4:0 (h1v2): Pillow cannot write it, OpenCV can where it is installed
+        import cv2
+
+        arr = np.asarray(photo(259, 97, seed=5))[..., ::-1]
+        for q in (50, 95):
+            ok, buf = cv2.imencode(".jpg", arr, [cv2.IMWRITE_JPEG_QUALITY, q, cv2.IMWRITE_JPEG_SAMPLING_FACTOR, 0x121111])
+            if ok:
+                out.append((f"259x97 440 q{q} (OpenCV)", buf.tobytes()))
+    except ImportError:
+        pass
+    return out
+
+
+def pillow_only() -> list[tuple[str, bytes, str]]:
+    """(label, bytes, expected reason) that stay on Pillow."""
+    img = photo(129, 65, seed=9)
+    return [("progressive", _save(img, quality=90, progressive=True), "progressive"),
+            ("cmyk", _save(img.convert("CMYK"), quality=90), "color_space")]

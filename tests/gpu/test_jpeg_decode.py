@@ -1,0 +1,57 @@
+"""Exact JPEG decoding on the GPU: equal to Pillow's `Image.open(f).convert("RGB")` on the whole corpus,
+the files it cannot reproduce left to Pillow and counted, and the preprocessing result unchanged."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from backends.config import MediaConfig
+from backends.preprocess import Preprocessor
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+from oracles.jpeg_corpus import corpus, pillow_only
+
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    d = GpuJpegDecoder(DEV, enabled=True)
+    assert d.enabled, d.off_reason  # the self-check passed on this GPU
+    return d
+
+
+def test_every_corpus_file_equals_pillow(decoder):
+    files = corpus()
+    images = [Image.open(io.BytesIO(b)) for _, b in files]
+    assert all(decoder.reason(img) is None for img in images)
+    got = decoder.decode([b for _, b in files], images)
+    differing = []
+    for (label, blob), rgb in zip(files, got):
+        assert rgb is not None, f"{label}: refused by the hardware decoder"
+        ref = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+        if not np.array_equal(rgb.cpu().numpy(), ref):
+            differing.append(label)
+    assert differing == [], differing
+    assert decoder.stats[("gpu", "")] >= len(files)
+
+
+def test_files_it_cannot_reproduce_go_to_pillow_and_are_counted():
+    pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
+    assert pre.jpeg is not None and pre.jpeg.enabled
+    for label, blob, reason in pillow_only():
+        ref, _, _ = Preprocessor(MediaConfig())([blob])
+        got, _, _ = pre([blob])
+        assert torch.equal(got.cpu(), ref), label
+        assert pre.decode_stats[("pillow", reason)] >= 1, (label, dict(pre.decode_stats))
+
+
+def test_preprocessing_with_gpu_decoding_equals_the_cpu_reference():
+    files = [b for label, b in corpus() if label.startswith(("641x479", "1001x667", "333x222"))]
+    ref, ref_grid, _ = Preprocessor(MediaConfig())(files)
+    pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
+    got, grid, _ = pre(files)
+    assert grid.tolist() == ref_grid.tolist() and torch.equal(got.cpu(), ref)
+    assert pre.decode_stats[("gpu", "")] == len(files)

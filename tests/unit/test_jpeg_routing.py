@@ -1,0 +1,87 @@
+"""Which images the exact GPU JPEG path may take (decided from Pillow's header alone), and the start-up
+self-check that turns GPU decoding off when one pixel differs. The decode itself is tested on the GPU
+(tests/gpu/test_jpeg_decode.py)."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from backends.preprocess import jpeg_gpu
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder, pillow_reason
+from backends.preprocess.nvjpeg import JpegInfo
+
+
+def _img(mode="RGB", fmt="JPEG", size=(37, 21), **save):
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    rgb.convert(mode).save(buf, fmt, **save)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("blob,reason", [
+    (_img(subsampling=0), None), (_img(subsampling=1), None), (_img(subsampling=2), None),
+    (_img("L"), None),
+    (_img(progressive=True), "progressive"),
+    (_img("CMYK"), "color_space"),
+    (_img(fmt="PNG"), "not_jpeg"),
+    (_img(fmt="WEBP"), "not_jpeg"),
+], ids=["444", "422", "420", "gray", "progressive", "cmyk", "png", "webp"])
+def test_route_is_decided_from_the_header(blob, reason):
+    assert pillow_reason(Image.open(io.BytesIO(blob))) == reason
+
+
+def test_an_rgb_coded_jpeg_stays_on_pillow():
+    img = Image.open(io.BytesIO(_img(subsampling=0)))
+    img.info.pop("jfif", None)
+    img.info.update(adobe=100, adobe_transform=0)  # Adobe APP14 transform 0: R, G, B stored as they are
+    assert pillow_reason(img) == "color_space"
+
+
+class _WrongDecoder:
+    """Stands in for nvJPEG: sensible shapes, wrong pixels."""
+
+    def __init__(self, device):
+        pass
+
+    def info(self, data):
+        img = Image.open(io.BytesIO(data))
+        w, h = img.size
+        if img.mode == "L":
+            return JpegInfo(w, h, 1, 6, (w,), (h,))
+        (_, fx, fy, _) = img.layer[0]
+        return JpegInfo(w, h, 3, {(1, 1): 0, (2, 1): 1, (2, 2): 2, (1, 2): 3}[(fx, fy)],
+                        (w, -(-w // fx), -(-w // fx)), (h, -(-h // fy), -(-h // fy)))
+
+    def unsupported(self, data, info):
+        return None
+
+    def decode_planes(self, datas, infos):
+        return [[torch.full((hh, ww), 77, dtype=torch.uint8) for ww, hh in zip(i.widths, i.heights)] for i in infos]
+
+
+def test_self_check_turns_gpu_decoding_off_when_a_pixel_differs(monkeypatch, caplog):
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _WrongDecoder)
+    from backends.kernels import jpeg_color
+
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb", jpeg_color.ycc_to_rgb_reference)  # no GPU here
+    decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
+    assert not decoder.enabled and "self-check" in decoder.off_reason
+    assert any("GPU JPEG decoding is off" in r.getMessage() for r in caplog.records)
+    assert decoder.reason(Image.open(io.BytesIO(_img()))) == "gpu_decode_off"
+
+
+def test_without_nvjpeg_the_preprocessor_says_why_and_uses_pillow():
+    decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)  # no GPU, no hardware decoder here
+    assert not decoder.enabled and decoder.off_reason
+
+
+def test_self_check_covers_every_sampling_the_gpu_path_takes():
+    samplings = set()
+    for blob in jpeg_gpu.self_check_images():
+        img = Image.open(io.BytesIO(blob))
+        assert pillow_reason(img) is None
+        samplings.add(img.mode if img.mode == "L" else tuple(img.layer[0][1:3]))
+    assert samplings == {"L", (1, 1), (2, 1), (2, 2)}
