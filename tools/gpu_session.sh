@@ -4,7 +4,8 @@
 #   bash tools/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks (encoder / rope: parts)
 #   bash tools/gpu_session.sh perf    # random real-size checkpoint -> e2e (ours vs reference) + perf_analyzer
 #   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
-#   stages also: profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
+#   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
+#   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
 #   stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
@@ -42,13 +43,16 @@ e2e() {
   python3 -m bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" > "$out/e2e_bench.log" 2>&1
   tail -28 "$out/e2e_bench.log"
 }
-perfanalyzer() {  # both ensembles, gRPC vs CUDA shared memory for the outputs, one 1024^2 JPEG per request
+perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the encoder alone in the same run
   perf_setup; random_checkpoint
-  python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
-    --concurrency 1,4,16 --measurement-ms 3000 --ensembles plain,batched --shared-memory none,cuda \
-    --out "$out/perf" > "$out/perf_gpu.log" 2>&1
-  grep -E "^perf_analyzer (exited|timed out)|^error" "$out/perf_gpu.log" | head -8
-  cp "$out/perf/perf_summary.md" "$out/perf_gpu.md" && cat "$out/perf_gpu.md" || tail -20 "$out/perf_gpu.log"
+  for images in 1024 8x448; do
+    python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images $images \
+      --concurrency 1,4,16 --measurement-ms 3000 --ensembles plain,batched --shared-memory cuda --encoder-alone \
+      --out "$out/perf-$images" > "$out/perf_gpu_$images.log" 2>&1
+    grep -E "^perf_analyzer (exited|timed out)|^error" "$out/perf_gpu_$images.log" | head -8
+    cat "$out/perf-$images/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_$images.log"
+  done
+  cat "$out/perf_gpu.md"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
@@ -76,10 +80,18 @@ for stage in "$@"; do
     e2e) e2e ;;
     perfanalyzer) perfanalyzer ;;
     perf) e2e; perfanalyzer ;;
+    decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
+    stages) random_checkpoint
+      python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" --profile > "$out/stage_bench.log" 2>&1
+      tail -30 "$out/stage_bench.log" ;;
+    soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
+      > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -45 ;;
   esac
 done
 cp build/tritonserver-*.log "$out/" 2>/dev/null
-if [[ -n "${OUT:-}" ]]; then
-  cp "$out"/*.md "$out"/gpu_tests.log "$OUT/" 2>/dev/null
+if [[ -n "${OUT:-}" ]]; then  # at most 8 files come back: the summaries, and everything in one archive
+  for f in gpu_tests.log decode_bench.md stage_bench.md perf_gpu.md soak_gpu.md e2e_bench.md; do
+    [[ -f "$out/$f" ]] && cp "$out/$f" "$OUT/"
+  done
   tar -czf "$OUT/results.tgz" -C "$out" .
 fi

@@ -15,6 +15,7 @@ request decodes in parallel, and the values cannot change (each frame is decoded
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import deque
@@ -34,6 +35,8 @@ from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.media import MediaPlan, check_image_count, plan_media
 from backends.preprocess.normalize import normalization_table
 from backends.preprocess.resize_rule import ResizePlan
+
+log = logging.getLogger("kimi_vision.preprocess")
 
 
 def _pixels(img: Image.Image) -> int:
@@ -131,7 +134,12 @@ class Preprocessor:
                         if j in on_gpu and j not in decoded and (not group or pixels + _pixels(images[j]) <= GPU_DECODE_PIXELS):
                             group.append(j)
                             pixels += _pixels(images[j])
-                    decoded.update(zip(group, self.jpeg.decode([blobs[j] for j in group], [images[j] for j in group])))
+                    try:
+                        decoded.update(zip(group, self.jpeg.decode([blobs[j] for j in group], [images[j] for j in group])))
+                    except Exception:  # noqa: BLE001 - e.g. nvJPEG rejects a corrupt file: Pillow decides
+                        log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", group, exc_info=True)
+                        self.jpeg.stats[("pillow", "gpu_error")] += len(group)
+                        decoded.update((j, None) for j in group)
                 rgb = decoded.pop(i, None) if i in on_gpu else None
                 if rgb is None and i in on_gpu:  # the hardware decoder refused it: Pillow, here
                     rgb = self._upload(self.host_frame(images[i], i, plan))
