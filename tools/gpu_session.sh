@@ -54,6 +54,14 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
+save() {  # at most 8 files come back: the summaries, and everything in one archive
+  cp build/tritonserver-*.log "$out/" 2>/dev/null
+  [[ -n "${OUT:-}" ]] || return 0
+  for f in gpu_tests.log decode_bench.md stage_bench.md perf_gpu.md soak_gpu.md e2e_bench.md; do
+    [[ -f "$out/$f" ]] && cp "$out/$f" "$OUT/"
+  done
+  tar -czf "$OUT/results.tgz" -C "$out" .
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
@@ -87,11 +95,5 @@ for stage in "$@"; do
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
       > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -45 ;;
   esac
+  save  # after every stage: a call cut short still returns what is done
 done
-cp build/tritonserver-*.log "$out/" 2>/dev/null
-if [[ -n "${OUT:-}" ]]; then  # at most 8 files come back: the summaries, and everything in one archive
-  for f in gpu_tests.log decode_bench.md stage_bench.md perf_gpu.md soak_gpu.md e2e_bench.md; do
-    [[ -f "$out/$f" ]] && cp "$out/$f" "$OUT/"
-  done
-  tar -czf "$OUT/results.tgz" -C "$out" .
-fi
