@@ -2,7 +2,12 @@
 
 
 class RequestError(ValueError):
-    """Something in one request is wrong; the message says what, in the client's terms (INVALID_ARG)."""
+    """Something in one request is wrong; the message says what, in the client's terms (INVALID_ARG).
+    `reason` names the kind of mistake for the rejection metric (kimi_vision_rejections_total)."""
+
+    def __init__(self, message: str, reason: str = "invalid_input"):
+        super().__init__(message)
+        self.reason = reason
 
 
 class RequestCancelled(Exception):

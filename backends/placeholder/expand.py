@@ -17,12 +17,12 @@ from backends.errors import RequestError
 def _as_ids(input_ids) -> np.ndarray:
     ids = np.asarray(input_ids)
     if ids.ndim != 1:
-        raise RequestError(f"INPUT_IDS must be 1-D, got shape {list(ids.shape)}")
+        raise RequestError(f"INPUT_IDS must be 1-D, got shape {list(ids.shape)}", "bad_ids")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise RequestError(f"INPUT_IDS must be integers, got {ids.dtype}")
+        raise RequestError(f"INPUT_IDS must be integers, got {ids.dtype}", "bad_ids")
     ids = ids.astype(np.int64, copy=False)
     if ids.size and ids.min() < 0:
-        raise RequestError(f"INPUT_IDS must be non-negative, found {int(ids.min())} at position {int(ids.argmin())}")
+        raise RequestError(f"INPUT_IDS must be non-negative, found {int(ids.min())} at position {int(ids.argmin())}", "bad_ids")
     return ids
 
 
@@ -38,7 +38,8 @@ def check_one_placeholder_per_image(input_ids, media_pad_id: int, num_images: in
     if found != num_images:
         raise RequestError(
             f"the prompt has {found} <|media_pad|> placeholder token(s) (id {media_pad_id}) but {num_images} "
-            f"{what} were sent; each image (or video chunk) needs exactly one placeholder in INPUT_IDS"
+            f"{what} were sent; each image (or video chunk) needs exactly one placeholder in INPUT_IDS",
+            "placeholder_mismatch",
         )
     return ids
 
@@ -52,7 +53,7 @@ def expand_placeholders(input_ids, media_pad_id: int, token_counts: Sequence[int
     ids = check_one_placeholder_per_image(input_ids, media_pad_id, len(token_counts))
     counts = np.asarray(token_counts, dtype=np.int64).reshape(-1)
     if counts.size and counts.min() < 1:
-        raise RequestError(f"every image must produce at least one token, got counts {counts.tolist()}")
+        raise RequestError(f"every image must produce at least one token, got counts {counts.tolist()}", "bad_counts")
     repeats = np.ones(ids.shape[0], dtype=np.int64)
     repeats[ids == media_pad_id] = counts
     return np.repeat(ids, repeats)

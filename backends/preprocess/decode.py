@@ -25,14 +25,15 @@ _BOMB_GUARD = threading.Lock()
 
 def _pixel_error(index: int, size: tuple[int, int], max_pixels: int) -> RequestError:
     w, h = size
-    return RequestError(f"image {index}: {w}x{h} = {w * h} pixels exceeds the limit max_image_pixels={max_pixels}")
+    return RequestError(f"image {index}: {w}x{h} = {w * h} pixels exceeds the limit max_image_pixels={max_pixels}",
+                        "pixel_limit")
 
 
 def open_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
     """The image's handle after reading its header. Pillow's own bomb guard stays on, set to our limit,
     so that a bomb is refused from its header, before any pixel is decoded."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
-        raise RequestError(f"image {index}: empty or missing image bytes")
+        raise RequestError(f"image {index}: empty or missing image bytes", "undecodable_image")
     with _BOMB_GUARD:
         previous = Image.MAX_IMAGE_PIXELS
         Image.MAX_IMAGE_PIXELS = max_pixels
@@ -45,7 +46,8 @@ def open_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
             Image.MAX_IMAGE_PIXELS = None
             raise _pixel_error(index, Image.open(io.BytesIO(bytes(data))).size, max_pixels) from None
         except Exception as exc:  # Pillow raises many types for garbage input
-            raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})") from None
+            raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})",
+                               "undecodable_image") from None
         finally:
             Image.MAX_IMAGE_PIXELS = previous
     if img.size[0] * img.size[1] > max_pixels:
@@ -60,4 +62,5 @@ def decode_rgb(img: Image.Image, index: int) -> Image.Image:
         img.load()
         return img.convert("RGB")
     except Exception as exc:
-        raise RequestError(f"image {index}: decoding failed ({type(exc).__name__}: {exc})") from None
+        raise RequestError(f"image {index}: decoding failed ({type(exc).__name__}: {exc})",
+                           "undecodable_image") from None

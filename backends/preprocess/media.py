@@ -35,14 +35,15 @@ def split_media(num_blobs: int, media_frames, media: MediaConfig) -> list[tuple[
         return [((i,), False) for i in range(num_blobs)]
     frames = np.asarray(media_frames).reshape(-1)
     if frames.size and not np.issubdtype(frames.dtype, np.integer):
-        raise RequestError(f"MEDIA_FRAMES must be integers, got {frames.dtype}")
+        raise RequestError(f"MEDIA_FRAMES must be integers, got {frames.dtype}", "media_frames")
     limit = media.temporal_merge_kernel_size
     if frames.size and (frames.min() < 0 or frames.max() > limit):
         raise RequestError(f"MEDIA_FRAMES entries must be 0 (image) or 1..{limit} (video chunk frames), "
-                           f"got {frames.tolist()}")
+                           f"got {frames.tolist()}", "media_frames")
     needed = int(np.maximum(frames, 1).sum())
     if needed != num_blobs:
-        raise RequestError(f"MEDIA_FRAMES {frames.tolist()} describes {needed} IMAGES entries but {num_blobs} were sent")
+        raise RequestError(f"MEDIA_FRAMES {frames.tolist()} describes {needed} IMAGES entries but {num_blobs} were sent",
+                           "media_frames")
     groups, start = [], 0
     for f in frames.tolist():
         n = max(f, 1)
@@ -53,7 +54,8 @@ def split_media(num_blobs: int, media_frames, media: MediaConfig) -> list[tuple[
 
 def check_image_count(num_blobs: int, limits: Limits) -> None:
     if num_blobs > limits.max_images:
-        raise RequestError(f"{num_blobs} images in one request exceeds the limit max_images={limits.max_images}")
+        raise RequestError(f"{num_blobs} images in one request exceeds the limit max_images={limits.max_images}",
+                           "image_count_limit")
 
 
 def plan_media(sizes: Sequence[tuple[int, int]], media: MediaConfig, limits: Limits, media_frames=None) -> list[MediaPlan]:
@@ -69,5 +71,6 @@ def plan_media(sizes: Sequence[tuple[int, int]], media: MediaConfig, limits: Lim
         plans.append(MediaPlan(plan, indices, is_video))
     total = sum(p.plan.num_patches for p in plans)
     if total > limits.max_patches:
-        raise RequestError(f"the request's images need {total} patches, exceeding the limit max_patches={limits.max_patches}")
+        raise RequestError(f"the request's images need {total} patches, exceeding the limit max_patches={limits.max_patches}",
+                           "patch_limit")
     return plans

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,10 +77,12 @@ class Preprocessor:
         # Exact GPU JPEG decoding where there is a GPU (None: on unless KIMI_GPU_JPEG=0; self-checked).
         self.jpeg = GpuJpegDecoder(self.device, gpu_jpeg) if self.device.type == "cuda" and gpu_jpeg is not False else None
 
+        self._host_only = Counter()  # decode_stats without a GPU
+
     @property
-    def decode_stats(self):
+    def decode_stats(self) -> Counter:
         """(path, reason) -> images decoded since start: ("gpu", "") or ("pillow", why)."""
-        return self.jpeg.stats if self.jpeg is not None else {}
+        return self.jpeg.stats if self.jpeg is not None else self._host_only
 
     def open(self, blobs: Sequence[bytes]) -> list[Image.Image]:
         """Every image's header (garbage and bombs are refused here, before any pixel is decoded)."""
@@ -117,7 +119,9 @@ class Preprocessor:
         frames ahead."""
         jobs = [(i, m.plan) for m in plans for i in m.frames]
         on_gpu = set()
-        if self.jpeg is not None:
+        if self.jpeg is None:
+            self._host_only[("pillow", "no_gpu")] += len(jobs)
+        else:
             for i, _ in jobs:
                 why = self.jpeg.reason(images[i])
                 if why is None:

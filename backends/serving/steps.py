@@ -86,7 +86,7 @@ class PreprocessStep:
             counts = [m.plan.num_tokens for m in plans]
             if np.asarray(expected_counts).reshape(-1).tolist() != counts:
                 raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
-                                   f"the images' {counts}")
+                                   f"the images' {counts}", "bad_counts")
         return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws}
 
 
@@ -116,11 +116,11 @@ class EncoderStep:
     def check(self, req: EncoderRequest) -> None:
         grid = np.asarray(req.grid_thws)
         if grid.ndim != 2 or grid.shape[1] != 3:
-            raise RequestError(f"GRID_THWS must have shape [M, 3], got {list(grid.shape)}")
+            raise RequestError(f"GRID_THWS must have shape [M, 3], got {list(grid.shape)}", "bad_tensor")
         try:  # shapes, patch count, merge divisibility, frames, RoPE range
             check_pixels(self.model.cfg, tuple(req.pixel_values.shape), as_grid_list(grid))
         except ValueError as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), "bad_tensor") from None
 
     def run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import traceback
 
 import numpy as np
@@ -18,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends.errors import RequestCancelled, RequestError
+from backends.serving.metrics import ModelMetrics
 from backends.serving.profiling import ExecuteProfiler
 from contract import FORWARD_SUFFIX
 from backends.serving.steps import EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep
@@ -64,7 +66,7 @@ class _Inputs:
             self.batched = False
         else:
             raise RequestError(f"{probe} has shape {shape}: expected {rank} dimension(s), or a batch dimension of 1 "
-                               f"in front of them (one prompt per request)")
+                               f"in front of them (one prompt per request)", "bad_tensor")
 
     def _get(self, name):
         return pb_utils.get_input_tensor_by_name(self.request, name)
@@ -74,7 +76,7 @@ class _Inputs:
         if tensor is None:
             if optional:
                 return None
-            raise RequestError(f"missing input {name}")
+            raise RequestError(f"missing input {name}", "bad_tensor")
         # A GPU instance may receive small tensors in device memory (client CUDA shm, the previous step).
         array = tensor.as_numpy() if tensor.is_cpu() else from_dlpack(tensor.to_dlpack()).cpu().numpy()
         return array[0] if self.batched else array
@@ -117,33 +119,6 @@ def _error(exc: Exception, model: str) -> "pb_utils.InferenceResponse":
     )
 
 
-class _FailureCounter:
-    """Per-request errors count as successes in Triton's own metrics; this counts them. The supervisor
-    (backends/deploy/supervisor.py) folds this private counter into kimi_vision_request_failures_total,
-    together with the failures that never reach our code (a dead stub, a full queue)."""
-
-    def __init__(self, model: str):
-        self.counters = {}
-        try:
-            self.family = pb_utils.MetricFamily(
-                name="kimi_vision_stub_failures_total",
-                description="Requests our code answered with an error, by model and kind",
-                kind=pb_utils.MetricFamily.COUNTER,
-            )
-        except Exception:  # noqa: BLE001 - metrics are optional
-            self.family = None
-        self.model = model
-
-    def inc(self, exc: Exception) -> None:
-        if self.family is None:
-            return
-        kind = ("invalid_input" if isinstance(exc, RequestError)
-                else "cancelled" if isinstance(exc, RequestCancelled) else "internal")
-        if kind not in self.counters:
-            self.counters[kind] = self.family.Metric(labels={"model": self.model, "kind": kind})
-        self.counters[kind].increment(1)
-
-
 class _Adapter:
     name = "model"
 
@@ -153,7 +128,7 @@ class _Adapter:
             # Triton kernels launch on the current device: make it this instance's GPU.
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
-        self.failures = _FailureCounter(self.name)
+        self.metrics = ModelMetrics(pb_utils, self.name)
         self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
@@ -178,6 +153,7 @@ class _Adapter:
     def _execute(self, requests):
         responses = []
         for request in requests:
+            t0 = time.perf_counter()
             try:
                 inputs = self.inputs(request)
                 outputs = inputs.shape_outputs(self.respond(inputs))
@@ -185,13 +161,11 @@ class _Adapter:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))
+            self.metrics.step_time(time.perf_counter() - t0)
         return responses
 
     def error_response(self, exc: Exception):
-        try:
-            self.failures.inc(exc)
-        except Exception:  # noqa: BLE001 - a metrics hiccup must not cost the response
-            log.exception("%s: could not count a failure", self.name)
+        self.metrics.failure(exc)
         return _error(exc, self.name)
 
 
@@ -220,9 +194,17 @@ class PreprocessModel(_Adapter):
                                    out_dtype=_out_dtype(self.config, "PIXEL_VALUES"))
 
     def respond(self, inputs: _Inputs):
-        # Checked between media: a client that gave up (deadline, cancel) stops the rest of the work.
-        return self.step(inputs.bytes_list("IMAGES"), inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
-                         inputs.numpy("MEDIA_FRAMES", optional=True), cancelled=inputs.request.is_cancelled)
+        images = inputs.bytes_list("IMAGES")
+        before = dict(self.step.pre.decode_stats)
+        try:
+            # Checked between media: a client that gave up (deadline, cancel) stops the rest of the work.
+            out = self.step(images, inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
+                            inputs.numpy("MEDIA_FRAMES", optional=True), cancelled=inputs.request.is_cancelled)
+        finally:
+            after = self.step.pre.decode_stats
+            self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
+        self.metrics.preprocessed(len(images), int(out["PIXEL_VALUES"].shape[0]))
+        return out
 
 
 class EncoderModel(_Adapter):
@@ -246,7 +228,9 @@ class EncoderModel(_Adapter):
                 parsed.append((inputs, EncoderRequest(inputs.torch("PIXEL_VALUES"), inputs.numpy("GRID_THWS"))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
+        t0 = time.perf_counter()
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
+        elapsed = time.perf_counter() - t0
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
@@ -257,4 +241,5 @@ class EncoderModel(_Adapter):
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])]))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
+            self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
         return responses

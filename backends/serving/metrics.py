@@ -1,0 +1,91 @@
+"""Our metrics, registered with tritonserver from inside each model's stub (pb_utils.MetricFamily) and
+served on the metrics port next to Triton's own (the supervisor relays them; deploy/grafana/ charts
+them).
+
+- kimi_vision_stub_failures_total{model,kind}: requests our code answered with an error. Private: the
+  supervisor folds it into kimi_vision_request_failures_total with the failures our code never sees.
+- kimi_vision_rejections_total{model,reason}: bad requests by what was wrong (RequestError.reason).
+- kimi_vision_images_total{model}, kimi_vision_patches_total{model}: images and patches preprocessed
+  (rate() gives images/s and patches/s).
+- kimi_vision_decodes_total{model,path,reason}: images decoded on the GPU, or by Pillow and why.
+- kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
+  (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from backends.errors import RequestCancelled, RequestError
+
+log = logging.getLogger("kimi_vision")
+
+STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+
+def failure_kind(exc: Exception) -> str:
+    if isinstance(exc, RequestError):
+        return "invalid_input"
+    return "cancelled" if isinstance(exc, RequestCancelled) else "internal"
+
+
+class ModelMetrics:
+    """One model instance's metrics. Every method swallows metric errors: a metrics hiccup must never
+    cost a response."""
+
+    def __init__(self, pb_utils, model: str):
+        self.model = model
+        self._metrics: dict = {}
+        self._families = {}
+        kinds = pb_utils.MetricFamily
+        for name, kind, description in (
+            ("kimi_vision_stub_failures_total", kinds.COUNTER, "Requests our code answered with an error, by model and kind"),
+            ("kimi_vision_rejections_total", kinds.COUNTER, "Bad requests refused with INVALID_ARG, by model and reason"),
+            ("kimi_vision_images_total", kinds.COUNTER, "Images (video frames count one each) preprocessed"),
+            ("kimi_vision_patches_total", kinds.COUNTER, "Patches (14 x 14 pixels) preprocessed"),
+            ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
+            ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
+        ):
+            if kind is None:
+                continue
+            try:
+                self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            except Exception:  # noqa: BLE001 - metrics are optional
+                log.warning("%s: metric family %s unavailable", model, name, exc_info=True)
+
+    def _metric(self, family: str, **labels):
+        key = (family, tuple(sorted(labels.items())))
+        metric = self._metrics.get(key)
+        if metric is None and family in self._families:
+            extra = {"buckets": STEP_BUCKETS} if family == "kimi_vision_step_seconds" else {}
+            metric = self._metrics[key] = self._families[family].Metric(labels={"model": self.model, **labels}, **extra)
+        return metric
+
+    def _add(self, family: str, value: float, **labels) -> None:
+        try:
+            metric = self._metric(family, **labels)
+            if metric is not None and value:
+                metric.increment(value)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not count %s", self.model, family)
+
+    def failure(self, exc: Exception) -> None:
+        self._add("kimi_vision_stub_failures_total", 1, kind=failure_kind(exc))
+        if isinstance(exc, RequestError):
+            self._add("kimi_vision_rejections_total", 1, reason=exc.reason)
+
+    def preprocessed(self, images: int, patches: int) -> None:
+        self._add("kimi_vision_images_total", images)
+        self._add("kimi_vision_patches_total", patches)
+
+    def decodes(self, counts: dict) -> None:
+        for (path, reason), n in counts.items():
+            self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
+
+    def step_time(self, seconds: float) -> None:
+        try:
+            metric = self._metric("kimi_vision_step_seconds")
+            if metric is not None:
+                metric.observe(seconds)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not observe the step time", self.model)

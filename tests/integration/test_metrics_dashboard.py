@@ -1,0 +1,53 @@
+"""Our metrics on the metrics port, and a Grafana dashboard that charts only metrics the server exports."""
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kimi-vision-triton.json"
+PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_min", "le", "model", "kind", "reason",
+                "path"}
+
+
+def _exported(server) -> set[str]:
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    names = set(re.findall(r"^# TYPE (\S+)", text, re.M)) | set(re.findall(r"^([a-zA-Z_:][\w:]*)[{ ]", text, re.M))
+    return names
+
+
+def test_our_metrics_count_images_patches_rejections_and_step_times(server):
+    client = KimiVisionClient(server.grpc_url)
+    client.infer(chat_prompt_ids(1), [encode(photo_like(100, 60, seed=1), "PNG")])
+    with pytest.raises(InferenceServerException):
+        client.infer(np.array([1, 2], np.int64), [encode(photo_like(10, 10), "PNG")])  # 1:1 mismatch
+    client.close()
+    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert re.search(r'kimi_vision_images_total\{model="kimi_preprocess"\} [1-9]', text)
+    assert re.search(r'kimi_vision_patches_total\{model="kimi_preprocess"\} [1-9]', text)
+    assert re.search(r'kimi_vision_rejections_total\{model="kimi_placeholder",reason="placeholder_mismatch"\} [1-9]', text)
+    assert re.search(r'kimi_vision_step_seconds_count\{model="moonvit3d"\} [1-9]', text)
+    assert re.search(r'kimi_vision_decodes_total\{model="kimi_preprocess",path="pillow",reason="no_gpu"\} [1-9]', text)
+
+
+def test_dashboard_references_only_exported_metrics(server):
+    test_our_metrics_count_images_patches_rejections_and_step_times(server)  # every family has samples now
+    exported = _exported(server)
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    used = set()
+    for expr in exprs:
+        expr = re.sub(r'\{[^}]*\}|"[^"]*"|\[[^\]]*\]|\b\d+(\.\d+)?(e-?\d+)?\b', "", expr)
+        used |= {w for w in re.findall(r"[a-zA-Z_:][\w:]*", expr) if w not in PROMQL_WORDS}
+    missing = sorted(name for name in used if name not in exported)
+    assert used and missing == [], f"the dashboard charts metrics the server does not export: {missing}"
