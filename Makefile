@@ -49,15 +49,24 @@ integration: setup
 	$(PY) -m pytest -q tests/integration
 
 # perf_analyzer comes from the tritonclient 2.48 wheel (the last one that ships the binary), kept in
-# its own folder so the newer tritonclient stays our Python client; it needs libb64 and libcudart 12.
+# its own folder so the newer tritonclient stays our Python client. It needs libcudart 12 (a wheel) and
+# libb64.so.0d: where the system lacks it, the Debian package is fetched into that folder with
+# `apt-get download` and unpacked there (said out loud; nothing is installed system-wide); without
+# apt-get, make stops and says what to install.
 $(PERF_STAMP): $(STAMP)
-	@command -v apt-get >/dev/null && ! ldconfig -p | grep -q libb64.so.0d && \
-		(apt-get update -qq && apt-get install -y -qq libb64-0d) || true
 	$(PY) -m pip install -q --no-deps --target $(PERF_DIR) tritonclient==2.48.0 nvidia-cuda-runtime-cu12==12.6.77
+	@if ldconfig -p | grep -q libb64.so.0d || [ -e $(PERF_DIR)/lib/libb64.so.0d ]; then :; \
+	elif command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then \
+		echo "perf_analyzer needs libb64.so.0d: fetching Debian's libb64-0d into $(PERF_DIR)/lib (apt-get download, no install)"; \
+		cd $(PERF_DIR) && apt-get download libb64-0d && dpkg-deb -x libb64-0d_*.deb b64 && mkdir -p lib && cp -P b64/usr/lib/*/libb64.so.0d* lib/; \
+	else echo "perf_analyzer needs libb64.so.0d: install it (Debian/Ubuntu: libb64-0d) and run make perf again"; exit 1; fi
 	touch $@
 
+# make perf                 start a server here and measure it
+# make perf URL=host:8001   measure a running server (gRPC address)
 perf: $(PERF_STAMP)
-	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched
+	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched \
+		$(if $(URL),--url $(URL),)
 
 # Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (bench/soak.py).
 SOAK_REQUESTS ?= 2000

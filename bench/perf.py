@@ -125,7 +125,8 @@ def write_input_data(path: Path, images: list[bytes], *, media_frames: bool = Fa
 
 def perf_analyzer_env(perf_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    libs = [str(perf_dir / "nvidia" / "cuda_runtime" / "lib")]  # libcudart.so.12 (CUDA shared memory)
+    # libcudart.so.12 (CUDA shared memory), and libb64 where make perf had to fetch it
+    libs = [str(perf_dir / "nvidia" / "cuda_runtime" / "lib"), str(perf_dir / "lib")]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
     return env
 

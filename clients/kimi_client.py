@@ -284,7 +284,7 @@ class _Cleanup:
                 errors.append(e)
         if errors and exc is None:
             raise errors[0]
-        if errors:
+        if errors and hasattr(exc, "add_note"):  # Python 3.11+
             exc.add_note(f"cleanup also failed: {errors[0]}")
         return False
 

@@ -356,7 +356,7 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     return Supervisor(server, metrics_address=server.address, metrics_port=ports.metrics)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Render the repository and serve the Kimi-K2.5 vision ensembles "
                                              "in the foreground until SIGINT/SIGTERM.")
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
@@ -375,7 +375,11 @@ def main(argv=None) -> int:
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
