@@ -22,8 +22,7 @@ import torch
 from PIL import Image
 
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-from bench.e2e_bench import timed
-from bench.gpu_timing import machine_line, write_report
+from bench.gpu_timing import machine_line, timed, write_report
 from clients.samples import encode, photo_like
 from oracles.jpeg_corpus import corpus
 

@@ -39,7 +39,7 @@ from backends.config import load_checkpoint_config
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
 from backends.preprocess.resize_rule import navit_resize
-from bench.gpu_timing import machine_line, write_report
+from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import output_byte_sizes
 from oracles.checkpoint_processor import reference_pixels
 from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
@@ -67,20 +67,6 @@ IMPLEMENTATIONS = {
                   "transformers' Kimi_K25 vision tower + projector (SDPA, BF16, the checkpoint's weights), "
                   "torch.cuda.synchronize()"),
 }
-
-
-def timed(fn, iters: int, warmup: int = 2) -> list[float]:
-    """Wall-clock milliseconds of fn() per run; the GPU is synchronized before and after each run."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 class Reference:

@@ -54,6 +54,20 @@ def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
     return statistics.median(times)
 
 
+def timed(fn, iters: int, warmup: int = 2) -> list[float]:
+    """Wall-clock milliseconds of fn() per run; the GPU is synchronized before and after each run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def matmul_peak_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

@@ -274,7 +274,7 @@ def encoder_alone_line(checkpoint: str, images: list[bytes], args) -> str:
     from backends.encoder.graphs import GraphedEncoder
     from backends.preprocess import Preprocessor
     from backends.weights.load import load_model
-    from bench.e2e_bench import timed
+    from bench.gpu_timing import timed
 
     model, cfg = load_model(checkpoint, "cuda", torch.bfloat16)
     encoder = GraphedEncoder(model, max_graphs=Deployment().cuda_graphs)

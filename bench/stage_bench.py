@@ -34,8 +34,8 @@ from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.weights.load import load_model
-from bench.e2e_bench import CASES, timed
-from bench.gpu_timing import machine_line, write_report
+from bench.e2e_bench import CASES
+from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import output_byte_sizes
 from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
