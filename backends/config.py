@@ -118,7 +118,7 @@ class Limits:
 
 # The embedded default: the real K2.5 preprocessing rule and token ids with a tiny MoonViT3d
 # (2 layers, 64 wide) so that `make run` and the tests finish in seconds on 2 CPU cores.
-# Its weights are seeded random (backends/weights/demo.py): a pipeline demo, not a trained model.
+# Its weights are seeded random (backends/weights/seeded.py): a pipeline demo, not a trained model.
 DEMO_CONFIG = VisionConfig(
     encoder=EncoderConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=160, text_hidden_size=256),
     torch_dtype="float32",
