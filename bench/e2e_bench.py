@@ -69,6 +69,16 @@ IMPLEMENTATIONS = {
 }
 
 
+def case_requests(dep: Deployment) -> dict[str, tuple]:
+    """case -> (prompt ids, JPEG bytes (quality 90, 4:2:0), IMAGE_EMBEDS bytes as `dep` serves them)."""
+    requests = {}
+    for case, sizes in CASES.items():
+        blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
+        ids = chat_prompt_ids(len(blobs))
+        requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
+    return requests
+
+
 class Reference:
     """The checkpoint processor's semantics on the CPU, then transformers' vision tower + projector
     (SDPA, bf16) on the GPU, with the weights of the checkpoint the server serves."""
@@ -114,11 +124,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
-    requests = {}
-    for case, sizes in CASES.items():
-        blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
-        ids = chat_prompt_ids(len(blobs))
-        requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
+    requests = case_requests(dep)
 
     notes = []
     try:

@@ -34,11 +34,9 @@ from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.weights.load import load_model
-from bench.e2e_bench import CASES
+from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
-from bench.perf import output_byte_sizes
-from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
-from clients.samples import encode, photo_like
+from clients.kimi_client import CudaOutputRegion, KimiVisionClient
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -69,11 +67,7 @@ def main(argv=None) -> int:
     if args.profile:
         os.environ["KIMI_PROFILE_DIR"] = str((args.out / "profile").resolve())
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
-    requests = {}
-    for case, sizes in CASES.items():
-        blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
-        ids = chat_prompt_ids(len(blobs))
-        requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
+    requests = case_requests(dep)
 
     # In process: the encoder as the server runs it, and decoding alone.
     model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
