@@ -85,6 +85,8 @@ class KimiVisionClient:
         self.headers = {}
         if admin_key:
             header, _, value = admin_key.partition("=")
+            # gRPC metadata keys are lower case (HTTP headers are case-insensitive anyway).
+            header = header.strip().lower()
             self.headers[header if protocol == "http" else f"triton-grpc-protocol-{header}"] = value
         if protocol == "grpc":
             import tritonclient.grpc as tc
@@ -214,15 +216,15 @@ class KimiVisionClient:
             return self._result(r, [n for n in wanted if n != "IMAGE_EMBEDS"], image_embeds=embeds)
 
     def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
-        region = CudaOutputRegion(self, capacity)
-        try:
+        if "IMAGE_EMBEDS" not in wanted:  # nothing would go into the region
+            return self._infer_plain(ids, blobs, frames, timeout_s, wanted)
+        with _Cleanup(self) as cleanup:
+            region = CudaOutputRegion(self, capacity)
+            cleanup.destroy(region.close)
             result = self._infer_into(region, ids, blobs, frames, timeout_s, wanted)
-            if result.cuda_embeds is not None:
-                embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
-                result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
+            embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
+            result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
             return result
-        finally:
-            region.close()
 
     def _infer_into(self, region: "CudaOutputRegion", ids, blobs, frames, timeout_s, wanted) -> VisionResult:
         a, b = self._inputs(ids, blobs)
@@ -312,8 +314,11 @@ class CudaOutputRegion:
         except Exception:
             cudashm.destroy_shared_memory_region(self.handle)
             raise
-        # The whole region as bytes, zero-copy through DLPack.
-        self.bytes = torch.from_dlpack(cudashm.as_shared_memory_tensor(self.handle, "UINT8", [capacity]))
+        try:  # the whole region as bytes, zero-copy through DLPack
+            self.bytes = torch.from_dlpack(cudashm.as_shared_memory_tensor(self.handle, "UINT8", [capacity]))
+        except Exception:
+            self.close()
+            raise
 
     def embeds(self, result):
         """IMAGE_EMBEDS of `result` as a torch view into the region (its shape and dtype)."""

@@ -252,19 +252,24 @@ class TritonServer:
                                              start_new_session=True)
         return self.proc
 
-    def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None) -> "TritonServer":
+    def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None, should_stop=None) -> "TritonServer":
         self.launch(stream_log)
-        self.wait_ready(timeout, on_poll)
+        self.wait_ready(timeout, on_poll, should_stop)
         return self
 
-    def wait_ready(self, timeout: float, on_poll=None) -> None:
+    def wait_ready(self, timeout: float, on_poll=None, should_stop=None) -> None:
         """Poll readiness; `on_poll()` runs at each poll and once more when ready (the supervisor
-        learns the stubs' names while they start)."""
+        learns the stubs' names while they start). A server that exits, does not become ready in time,
+        or is abandoned (`should_stop()`) is cleaned up (its process group, its /dev/shm regions)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop(0, stubs_dead=True)
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode} while starting; "
                                    f"log: {self.log_path}\n{self.log_tail()}")
+            if should_stop is not None and should_stop():
+                self.stop(0, stubs_dead=True)
+                raise RuntimeError("start abandoned: asked to stop")
             if on_poll:
                 on_poll()
             if self.ready():
@@ -307,12 +312,10 @@ class TritonServer:
         self.remove_shm_regions()
 
     def _wait_group_gone(self, limit: float = 5.0) -> None:
+        """Until no live process of the server's group is left (zombies of killed stubs do not count:
+        nothing of theirs holds the /dev/shm regions any more)."""
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
+        while time.monotonic() < deadline and _live_in_group(self.proc.pid):
             time.sleep(0.05)
 
     def remove_shm_regions(self) -> list[str]:
@@ -339,6 +342,18 @@ class TritonServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _live_in_group(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
 
 
 def deployment_server(dep: Deployment, name: str, *, repository: Path | None = None, ports: Ports | None = None,
@@ -394,10 +409,20 @@ def main(argv=None) -> int:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
     stop = threading.Event()
-    # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests (tritonserver's exit timeout), exit.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server.start(stream_log=True)
+
+    def on_signal(*_):  # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests and exit
+        stop.set()
+        server.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        server.start(stream_log=True)
+    except RuntimeError:
+        if stop.is_set():  # asked to stop while starting
+            server.stop(0)
+            return 0
+        raise
     print("ready", flush=True)
     stop.wait()
     server.stop()

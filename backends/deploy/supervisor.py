@@ -24,7 +24,9 @@ replaced.
 
 from __future__ import annotations
 
+import http.client
 import logging
+import os
 import re
 import threading
 import time
@@ -87,6 +89,17 @@ def _children(parent: int) -> list[tuple[int, str, str]]:
     return out
 
 
+def reap_orphans(server_pid: int) -> None:
+    """As PID 1 (a container without an init) the launcher inherits the stubs of a server it killed:
+    reap those zombies, never the server itself (its Popen waits for it)."""
+    for pid, state, _ in _children(os.getpid()):
+        if state == "Z" and pid != server_pid:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
 def model_of(instance: str) -> str:
     """kimi_preprocess_0_0 -> kimi_preprocess (Triton names instances <model>_<group>_<index>)."""
     return instance.rsplit("_", 2)[0]
@@ -128,6 +141,7 @@ class MetricsRelay:
         self.last: dict[tuple[str, str], float] = {}  # the current server's, at its last scrape
         self.deaths: dict[str, int] = defaultdict(int)
         self.restarts: dict[str, int] = defaultdict(int)
+        self.generation = 0  # which server lifetime `last` belongs to
         relay = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -158,20 +172,25 @@ class MetricsRelay:
         self.httpd.server_close()
 
     def scrape(self) -> str | None:
-        """tritonserver's metrics text, None while it is down; updates the current server's counts."""
+        """tritonserver's metrics text, None while it is down; updates the current server's counts. A
+        scrape that started before the server was replaced is dropped (it would count twice)."""
+        with self.lock:
+            generation = self.generation
         try:
             with urllib.request.urlopen(self.triton_url, timeout=2) as r:
                 text = r.read().decode()
-        except OSError:
+        except (OSError, http.client.HTTPException, ValueError):  # down, or cut off mid-answer
             return None
         counts = failure_counts(parse_metrics(text))
         with self.lock:
-            self.last = counts
+            if generation == self.generation:
+                self.last = counts
         return text
 
     def server_replaced(self) -> None:
         """Fold the replaced server's last counts into the base (call after a final scrape)."""
         with self.lock:
+            self.generation += 1
             for key, value in self.last.items():
                 self.base[key] += value
             self.last = {}
@@ -189,7 +208,7 @@ class MetricsRelay:
             f"(invalid_input, internal, backend, rejected, cancelled, other)",
             f"# TYPE {FAILURES} counter",
         ]
-        out += [f'{FAILURES}{{model="{m}",kind="{k}"}} {v:g}' for (m, k), v in sorted(self.failures().items())]
+        out += [f'{FAILURES}{{model="{m}",kind="{k}"}} {int(v)}' for (m, k), v in sorted(self.failures().items())]
         with self.lock:
             out += ["# HELP kimi_vision_stub_deaths_total Python stubs found dead, by model",
                     "# TYPE kimi_vision_stub_deaths_total counter"]
@@ -216,6 +235,9 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self.expected: dict[str, int] = {}
         self.stream_log = False
+        self._last_ready = 0.0
+        self._quick_restarts = 0
+        self._last_scrape = 0.0
 
     # TritonServer's surface
     grpc_url = property(lambda self: self.server.grpc_url)
@@ -231,7 +253,12 @@ class Supervisor:
     def log_tail(self, chars: int = 4000) -> str:
         return self.server.log_tail(chars)
 
+    def request_stop(self) -> None:
+        """From a signal handler: abandon a start or restart in progress; stop() then finishes."""
+        self._stop.set()
+
     def start(self, timeout: float | None = None, stream_log: bool = False) -> "Supervisor":
+        """Start and wait until ready (request_stop() abandons the start with a RuntimeError)."""
         self.stream_log = stream_log
         self._start_server(timeout or self.start_timeout)
         self.relay.start()
@@ -254,7 +281,9 @@ class Supervisor:
 
     def _start_server(self, timeout: float) -> None:
         self.expected = {}
-        self.server.start(timeout, stream_log=self.stream_log, on_poll=self._learn_stubs)
+        self.server.start(timeout, stream_log=self.stream_log, on_poll=self._learn_stubs,
+                          should_stop=self._stop.is_set)
+        self._last_ready = time.monotonic()
 
     def _learn_stubs(self) -> None:
         """Remember each stub's instance name by pid while it is alive (a dead one has no cmdline left)."""
@@ -274,21 +303,30 @@ class Supervisor:
         return sorted(dead)
 
     def _watch(self) -> None:
-        last_scrape = 0.0
+        """The supervisor's loop. It must not die: a failure in one round is logged and the next one runs."""
+        self._last_scrape = 0.0
         while not self._stop.wait(self.poll_s):
-            if self.server.proc.poll() is not None:
-                self._restart("server_exited", f"tritonserver exited with code {self.server.proc.returncode}")
-                continue
-            self._learn_stubs()
-            dead = self.dead_stubs()
-            if dead:
-                with self.relay.lock:
-                    for name in dead:
-                        self.relay.deaths[model_of(name) if not name.startswith("pid ") else "unknown"] += 1
-                self._restart("stub_died", f"Python stub(s) {', '.join(dead)} died")
-            elif time.monotonic() - last_scrape > 2.0:
-                self.relay.scrape()  # keeps the failure counts current should the server vanish
-                last_scrape = time.monotonic()
+            try:
+                self._round()
+            except Exception:  # noqa: BLE001
+                log.exception("supervisor round failed; watching on")
+
+    def _round(self) -> None:
+        if os.getpid() == 1:
+            reap_orphans(self.server.proc.pid if self.server.proc else -1)
+        if self.server.proc.poll() is not None:
+            self._restart("server_exited", f"tritonserver exited with code {self.server.proc.returncode}")
+            return
+        self._learn_stubs()
+        dead = self.dead_stubs()
+        if dead:
+            with self.relay.lock:
+                for name in dead:
+                    self.relay.deaths[model_of(name) if not name.startswith("pid ") else "unknown"] += 1
+            self._restart("stub_died", f"Python stub(s) {', '.join(dead)} died")
+        elif time.monotonic() - self._last_scrape > 2.0:
+            self.relay.scrape()  # keeps the failure counts current should the server vanish
+            self._last_scrape = time.monotonic()
 
     def _restart(self, reason: str, why: str) -> None:
         with self.relay.lock:
@@ -298,6 +336,11 @@ class Supervisor:
         self.relay.scrape()  # the failures the dead stub caused, while the server still answers
         self.relay.server_replaced()
         self.server.stop(0, stubs_dead=True)
+        # A stub that dies again right after the last restart: back off instead of looping tightly.
+        since = time.monotonic() - self._last_ready
+        self._quick_restarts = self._quick_restarts + 1 if since < 60 else 0
+        if self._quick_restarts:
+            self._stop.wait(min(2.0 ** self._quick_restarts, 30.0))
         delay = 1.0
         while not self._stop.is_set():
             try:

@@ -135,8 +135,17 @@ class GpuJpegDecoder:
         handles: their header sizes must agree with nvJPEG's."""
         infos: list[JpegInfo | None] = []
         for blob, img in zip(blobs, images):
-            info = self.decoder.info(blob)
-            why = self.decoder.unsupported(blob, info)
+            if not bytes(blob[-2:]) == b"\xff\xd9":
+                # No end-of-image marker right at the end: a truncated file, which Pillow refuses and the
+                # hardware decoder might fill in; or trailing bytes after it. Pillow decides either way.
+                self.stats[("pillow", "no_end_marker")] += 1
+                infos.append(None)
+                continue
+            try:
+                info = self.decoder.info(blob)
+                why = self.decoder.unsupported(blob, info)
+            except NvJpegError as exc:  # a header nvJPEG cannot read: this image alone goes to Pillow
+                info, why = None, str(exc)
             if why is None and (info.width, info.height) != img.size:
                 why = f"nvJPEG reads {info.width}x{info.height}, Pillow {img.size[0]}x{img.size[1]}"
             if why is not None:

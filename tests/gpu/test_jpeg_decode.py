@@ -55,3 +55,16 @@ def test_preprocessing_with_gpu_decoding_equals_the_cpu_reference():
     got, grid, _ = pre(files)
     assert grid.tolist() == ref_grid.tolist() and torch.equal(got.cpu(), ref)
     assert pre.decode_stats[("gpu", "")] == len(files)
+
+
+def test_a_truncated_jpeg_is_refused_as_pillow_refuses_it():
+    from backends.errors import RequestError
+
+    blob = corpus()[-1][1]
+    cut = blob[: len(blob) * 2 // 3]  # the header is intact; the scan ends early, no end-of-image marker
+    with pytest.raises(RequestError, match="image 0"):
+        Preprocessor(MediaConfig())([cut])
+    pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
+    with pytest.raises(RequestError, match="image 0"):
+        pre([cut])
+    assert pre.decode_stats[("pillow", "no_end_marker")] == 1

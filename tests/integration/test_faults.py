@@ -102,6 +102,6 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
         stop_s = time.monotonic() - t0
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the server and every stub are gone
-    assert stop_s < 35, f"stop took {stop_s:.0f} s"
+    assert stop_s < 40, f"stop took {stop_s:.0f} s"  # the limit: 25 s drain + 5 s + kill
     left = [p.name for p in Path("/dev/shm").iterdir() if any(p.name.startswith(x) for x in prefixes)]
     assert left == [], left
