@@ -340,7 +340,7 @@ class Supervisor:
         since = time.monotonic() - self._last_ready
         self._quick_restarts = self._quick_restarts + 1 if since < 60 else 0
         if self._quick_restarts:
-            self._stop.wait(min(2.0 ** self._quick_restarts, 30.0))
+            self._stop.wait(min(2.0 ** (self._quick_restarts - 1), 30.0))  # 1, 2, 4, ... 30 s
         delay = 1.0
         while not self._stop.is_set():
             try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.deploy.launcher import deployment_server
+from backends.deploy.launcher import _live_in_group, deployment_server
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import model_of, parse_metrics, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
@@ -100,8 +100,7 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
         t0 = time.monotonic()
         server.stop()
         stop_s = time.monotonic() - t0
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)  # the server and every stub are gone
+    assert not _live_in_group(pid)  # the server and every stub are gone (at most unreaped zombies remain)
     assert stop_s < 40, f"stop took {stop_s:.0f} s"  # the limit: 25 s drain + 5 s + kill
     left = [p.name for p in Path("/dev/shm").iterdir() if any(p.name.startswith(x) for x in prefixes)]
     assert left == [], left
