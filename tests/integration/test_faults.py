@@ -10,7 +10,6 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from backends.deploy.launcher import _live_in_group, deployment_server
 from backends.deploy.repository import Deployment
