@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import time
 import traceback
 from pathlib import Path
 

@@ -56,6 +56,27 @@ def per_request_ms(before: dict, after: dict) -> dict[str, float]:
     return {stage: (after[stage] - before[stage]) / n / 1e6 for stage in STAGES}
 
 
+def measure_alone(args, dep: Deployment, requests: dict) -> dict:
+    """In this process: the encoder as the server runs it (bf16, CUDA graphs), preprocessing, and
+    decoding alone (exact GPU decode, Pillow on one core), per case."""
+    model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
+    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
+    pre = Preprocessor(cfg.media, dep.limits, device="cuda", out_dtype=torch.bfloat16)
+    jpeg = GpuJpegDecoder(torch.device("cuda"))
+    alone = {}
+    for case, (ids, blobs, _) in requests.items():
+        pixels, grids, _ = pre(blobs)
+        enc_ms = statistics.median(timed(lambda: encoder(pixels, grids), args.iters, warmup=3))
+        gpu_ms = (statistics.median(timed(lambda: jpeg.decode(blobs, [Image.open(io.BytesIO(b)) for b in blobs]), args.iters))
+                  if jpeg.enabled else float("nan"))
+        pil_ms = statistics.median(timed(lambda: [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs],
+                                         max(3, args.iters // 4), warmup=1))
+        pre_ms = statistics.median(timed(lambda: pre(blobs), args.iters))
+        alone[case] = {"encoder_ms": enc_ms, "gpu_decode_ms": gpu_ms, "pillow_decode_ms": pil_ms,
+                       "preprocess_ms": pre_ms, "images": len(blobs)}
+    return alone
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
@@ -69,24 +90,7 @@ def main(argv=None) -> int:
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
     requests = case_requests(dep)
 
-    # In process: the encoder as the server runs it, and decoding alone.
-    model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
-    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
-    pre = Preprocessor(cfg.media, dep.limits, device="cuda", out_dtype=torch.bfloat16)
-    jpeg = GpuJpegDecoder(torch.device("cuda"))
-    alone = {}
-    for case, (ids, blobs, _) in requests.items():
-        pixels, grids, _ = pre(blobs)
-        enc_ms = statistics.median(timed(lambda: encoder(pixels, grids), args.iters, warmup=3))
-        images = [Image.open(io.BytesIO(b)) for b in blobs]
-        gpu_ms = (statistics.median(timed(lambda: jpeg.decode(blobs, [Image.open(io.BytesIO(b)) for b in blobs]), args.iters))
-                  if jpeg.enabled else float("nan"))
-        pil_ms = statistics.median(timed(lambda: [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs],
-                                         max(3, args.iters // 4), warmup=1))
-        pre_ms = statistics.median(timed(lambda: pre(blobs), args.iters))
-        alone[case] = {"encoder_ms": enc_ms, "gpu_decode_ms": gpu_ms, "pillow_decode_ms": pil_ms,
-                       "preprocess_ms": pre_ms, "images": len(images)}
-    del model, encoder
+    alone = measure_alone(args, dep, requests)  # its model is freed on return
     torch.cuda.empty_cache()
 
     results, lines = {}, []

@@ -9,8 +9,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
-
 from backends.deploy.launcher import _live_in_group, deployment_server
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import model_of, parse_metrics, stub_processes
