@@ -168,6 +168,9 @@ def main(argv=None) -> int:
                     help="comma-separated perf_analyzer --shared-memory modes to measure side by side: none "
                          "(gRPC), system (POSIX shm, same host) and/or cuda (CUDA shm, needs a GPU here); "
                          "inputs and outputs both go through it, each output region sized from the request")
+    ap.add_argument("--encoder-instances", type=int, default=1,
+                    help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
+    ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
     served = RunningServer(args.url) if args.url else None
     if served:
         device = served.device
-    dep = Deployment(device=device, checkpoint=args.checkpoint)
+    dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
+                     preprocess_instances=args.preprocess_instances)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())

@@ -6,8 +6,8 @@
 #   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
-#   stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
-#   fa4a / fa4b (flash-attn-4 in two carries)
+#   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
+#   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
 set -uo pipefail
@@ -62,7 +62,7 @@ save() {  # at most 8 files come back: the summaries, and everything in one arch
   done
   tar -czf "$OUT/results.tgz" -C "$out" .
 }
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,pstate,power.draw --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
@@ -87,11 +87,22 @@ for stage in "$@"; do
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
     e2e) e2e ;;
     perfanalyzer) perfanalyzer ;;
+    perf2enc)  # one 1024^2 JPEG per request at concurrency 16 with two moonvit3d instances on the GPU
+      perf_setup; random_checkpoint
+      python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
+        --concurrency 16 --measurement-ms 3000 --ensembles plain,batched --shared-memory cuda --encoder-alone \
+        --encoder-instances 2 --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
+      cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
+      cat "$out/perf-1024-2enc/perf_summary.md" ;;
     perf) e2e; perfanalyzer ;;
     decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
     stages) random_checkpoint
       python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" --profile > "$out/stage_bench.log" 2>&1
-      tail -30 "$out/stage_bench.log" ;;
+      tail -30 "$out/stage_bench.log"
+      for f in "$out"/profile/moonvit3d-*.txt "$out"/profile/kimi_preprocess-*.txt; do
+        [[ -f $f ]] && head -22 "$f" | cut -c1-58,100-140
+      done ;;
+    attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
       > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -45 ;;
   esac

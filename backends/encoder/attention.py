@@ -71,7 +71,11 @@ def _per_media(q, k, v, meta: ForwardMetadata, sdpa) -> torch.Tensor:
 def _cudnn_sdpa(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+    # set_priority: cuDNN first, flash only where cuDNN cannot run. Without it the order is torch's
+    # own, which it sets up lazily per process from the cuDNN version and the device: the tritonserver
+    # stub was seen running torch's flash kernel here, 0.67 ms per layer per 1024^2 image, where a
+    # process of its own ran cuDNN's (docs/triton_runtime.md#attention-kernel-choice).
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
         return F.scaled_dot_product_attention(q, k, v)
 
 
