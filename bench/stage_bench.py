@@ -88,11 +88,13 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
     requests = case_requests(dep)
+    trigger = (args.out / "profile" / "START").resolve()
     if args.profile:
-        # The stubs profile a window of execute calls that starts after every measured request (3
-        # warm-ups + --iters per case), so the statistics above never include the profiler's cost.
-        os.environ["KIMI_PROFILE_DIR"] = str((args.out / "profile").resolve())
-        os.environ["KIMI_PROFILE_SKIP"] = str(len(requests) * (3 + args.iters))
+        # The stubs profile a window of execute calls that opens once `trigger` exists, after every
+        # measured request, so the statistics never include the profiler's cost.
+        trigger.unlink(missing_ok=True)
+        os.environ.update(KIMI_PROFILE_DIR=str(trigger.parent), KIMI_PROFILE_SKIP="0",
+                          KIMI_PROFILE_TRIGGER=str(trigger))
 
     alone = measure_alone(args, dep, requests)  # its model is freed on return
     torch.cuda.empty_cache()
@@ -116,15 +118,17 @@ def main(argv=None) -> int:
             e2e = statistics.median(wall)
             results[case] = {"end_to_end_ms": e2e, "stages": stages, **alone[case],
                              "end_to_end_over_encoder": e2e / alone[case]["encoder_ms"]}
-        if args.profile:  # the profile window: the first case again, one call more than the window to close it
+        if args.profile:  # the profile window: the first case again; windows still open close at shutdown
+            trigger.parent.mkdir(parents=True, exist_ok=True)
+            trigger.touch()
             ids, blobs, _ = next(iter(requests.values()))
-            for _ in range(int(os.environ.get("KIMI_PROFILE_CALLS", "5")) + 1):
+            for _ in range(2 * int(os.environ.get("KIMI_PROFILE_CALLS", "5"))):
                 client.infer_into(region, ids, blobs)
         region.close()
         client.close()
         stats_client.close()
         if args.profile:
-            server.stop()  # the stubs write their profiles as their window closes; stopping flushes nothing more
+            server.stop()  # unloading writes the windows that are still open
 
     lines += ["# Stage breakdown: where a request's time goes (GPU deployment)\n", f"{machine_line()}\n",
               f"checkpoint {args.checkpoint}; {args.iters} requests per case after 3 warm-ups; end to end = client wall "

@@ -56,8 +56,13 @@ def probe(label: str) -> None:
     from backends.encoder.attention import _cudnn_sdpa
 
     env = {k: v for k, v in os.environ.items() if k.startswith(("TORCH_CUDNN", "CUDNN", "TORCH_SDP"))}
-    print(f"ATTN {label} python={sys.executable} torch={torch.__version__} cudnn={torch.backends.cudnn.version()} "
-          f"env={env} priority_before_first_call={torch._C._get_sdp_priority_order()}", flush=True)
+    try:
+        cudnn = torch.backends.cudnn.version()
+    except RuntimeError as exc:  # torch refuses a cuDNN other than the one it was built with
+        cudnn = f"ERR {str(exc)[:110]}"
+    print(f"ATTN {label} python={sys.executable} torch={torch.__version__} cudnn={cudnn} env={env} "
+          f"LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')} "
+          f"priority_before_first_call={torch._C._get_sdp_priority_order()}", flush=True)
 
     def only(backend):
         def run(q, k, v):
@@ -75,7 +80,9 @@ def probe(label: str) -> None:
                 print(f"ATTN {label} L={n} {name}: {_ms(call):.3f} ms kernel={_kernel_name(call)}", flush=True)
             except Exception as exc:  # noqa: BLE001 - report and go on
                 print(f"ATTN {label} L={n} {name}: ERR {str(exc)[:120]}", flush=True)
-    print(f"ATTN {label} priority_after={torch._C._get_sdp_priority_order()}", flush=True)
+    with open("/proc/self/maps") as maps:
+        libs = sorted({line.split()[-1] for line in maps if "libcudnn.so" in line})
+    print(f"ATTN {label} priority_after={torch._C._get_sdp_priority_order()} cudnn_loaded={libs}", flush=True)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ Either way the stub gets its own environment (stub_env.py) first on the server's
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import logging
 import os
@@ -90,9 +91,32 @@ class TritonInstall:
                                "or name an installed tritonserver in KIMI_TRITONSERVER")
         pkg = Path(list(spec.submodule_search_locations)[0]).resolve()
         root = pkg / "tritonserver"
-        libdir = sysconfig.get_config_var("LIBDIR") or ""
+        libdir = _libpython_dir(BUILD / "libpython")
         return cls(root / "bin" / "tritonserver", _embedded_backend_dir(root, BUILD / "backends"),
                    tuple(p for p in (libdir, str(pkg.parent / "nvidia_pytriton.libs")) if p))
+
+
+def _libpython_dir(dest: Path) -> str:
+    """A folder holding only our interpreter's libpython (a symlink), for the front of LD_LIBRARY_PATH.
+
+    The stub must load the libpython of the interpreter that built our environment, not a system one
+    of the same soname. Putting the interpreter's whole LIBDIR first did that, but also put every
+    other library there ahead of the ones our packages bring: on the GPU host that LIBDIR holds a
+    system cuDNN 9.14, which the stub's torch (built for its own 9.19) then loaded, and with it lost
+    cuDNN attention (docs/triton_runtime.md#the-embedded-server). "" when Python is not shared."""
+    name = sysconfig.get_config_var("INSTSONAME") or ""
+    lib = Path(sysconfig.get_config_var("LIBDIR") or "") / name
+    if not name or not lib.exists():
+        return ""
+    dest = dest / hashlib.sha1(str(lib).encode()).hexdigest()[:12]  # one folder per interpreter
+    dest.mkdir(parents=True, exist_ok=True)
+    link = dest / name
+    if not (link.is_symlink() and link.resolve() == lib.resolve()):
+        tmp = dest / f".{name}.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(lib)
+        tmp.replace(link)  # atomic: servers starting side by side never see a missing link
+    return str(dest)
 
 
 def _embedded_backend_dir(root: Path, dest: Path) -> Path:

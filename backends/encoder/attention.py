@@ -72,9 +72,9 @@ def _cudnn_sdpa(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     # set_priority: cuDNN first, flash only where cuDNN cannot run. Without it the order is torch's
-    # own, which it sets up lazily per process from the cuDNN version and the device: the tritonserver
-    # stub was seen running torch's flash kernel here, 0.67 ms per layer per 1024^2 image, where a
-    # process of its own ran cuDNN's (docs/triton_runtime.md#attention-kernel-choice).
+    # own, which puts cuDNN first only for a recent enough cuDNN (>= 9.15 on sm90): a tritonserver stub
+    # that had loaded an older system cuDNN ran torch's flash kernel here, 0.66 against 0.44 ms per
+    # layer for a 1024^2 image (docs/triton_runtime.md#the-embedded-server).
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
         return F.scaled_dot_product_attention(q, k, v)
 

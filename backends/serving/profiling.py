@@ -1,15 +1,19 @@
 """Optional profiling of the models' own work inside the Triton stubs (KIMI_PROFILE_DIR).
 
 With KIMI_PROFILE_DIR set, each model instance profiles a window of its `execute` calls (after
-KIMI_PROFILE_SKIP calls, default 5, the next KIMI_PROFILE_CALLS, default 5) with torch's profiler,
-host and CUDA activity, and writes the table of the most expensive operations to
-<dir>/<model>-<pid>.txt. Off (and free) otherwise. bench/stage_bench.py uses it.
+KIMI_PROFILE_SKIP calls, default 5, and once the file KIMI_PROFILE_TRIGGER exists if that is set,
+the next KIMI_PROFILE_CALLS, default 5) with torch's profiler (host and CUDA activity) and cProfile
+(the Python around the torch ops), and writes both tables to <dir>/<model>-<pid>.txt when the window
+ends or the model is unloaded. Off (and free) otherwise. bench/stage_bench.py uses it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import cProfile
+import io
 import os
+import pstats
 from pathlib import Path
 
 
@@ -18,34 +22,56 @@ class ExecuteProfiler:
         self.dir = os.environ.get("KIMI_PROFILE_DIR", "")
         self.skip = int(os.environ.get("KIMI_PROFILE_SKIP", "5"))
         self.calls = int(os.environ.get("KIMI_PROFILE_CALLS", "5"))
-        self.model, self.seen, self.prof = model, 0, None
+        # Optional: the window opens only once this file exists (a benchmark creates it after its
+        # measured requests; with several instances per model, call counts per instance are unknown).
+        self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
+        self.model, self.seen, self.prof, self.py, self.opened, self.in_window = model, 0, None, None, 0, 0
 
     def __call__(self):
         """A context manager around one execute call."""
         if not self.dir:
             return contextlib.nullcontext()
         self.seen += 1
-        if self.seen == self.skip + 1:
-            import torch
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = profile(activities=activities)
-            self.prof.__enter__()
-        if self.prof is not None and self.seen == self.skip + self.calls + 1:
-            self._finish()
+        if self.prof is not None:
+            if self.in_window == self.calls:
+                self.close()  # before this call: the window holds exactly `calls` calls
+            else:
+                self.in_window += 1
+        elif not self.opened and self.seen > self.skip and (not self.trigger or os.path.exists(self.trigger)):
+            self._open()
         return contextlib.nullcontext()
 
-    def _finish(self) -> None:
+    def _open(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.opened, self.in_window = self.seen, 1
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        # torch's profiler sees torch ops only; cProfile sees the Python around them (IPC calls to
+        # the server such as is_cancelled() and metric updates, header reads, conversions).
+        self.py = cProfile.Profile()
+        self.py.enable()
+
+    def close(self) -> None:
+        """Ends an open window and writes its tables (also called as the model is unloaded, so a window
+        that saw fewer calls than asked for is still written)."""
+        if self.prof is None:
+            return
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        self.py.disable()
         self.prof.__exit__(None, None, None)
+        python = io.StringIO()
+        pstats.Stats(self.py, stream=python).sort_stats("cumulative").print_stats(35)
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         table = self.prof.key_averages().table(sort_by=sort, row_limit=40)
         out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"{self.model}: {self.calls} execute calls after {self.skip}\n"
-                       f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n")
+        out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
+                       f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"
+                       f"Python, by cumulative time:\n{python.getvalue()}\n")
         self.prof = None

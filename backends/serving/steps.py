@@ -7,6 +7,7 @@ per-request error response.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +23,24 @@ from backends.preprocess.media import check_image_count, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor
 
 log = logging.getLogger(__name__)
+
+
+def throttled(ask, every_s: float, clock=time.monotonic):
+    """`ask` wrapped so that it is really asked at most once per `every_s` (the first time `every_s`
+    after this call); in between the answer is False. For request.is_cancelled(), a round trip from
+    the stub to the server (~0.07 ms measured): asked before every media of an 8-image request it cost
+    more than the check is worth, while a request that runs long is still stopped within `every_s`."""
+    last = clock()
+
+    def check() -> bool:
+        nonlocal last
+        now = clock()
+        if now - last < every_s:
+            return False
+        last = now
+        return bool(ask())
+
+    return check
 
 
 @dataclass(frozen=True)

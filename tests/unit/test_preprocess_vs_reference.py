@@ -183,3 +183,17 @@ def test_preprocessing_stops_between_media_once_cancelled():
 
     with pytest.raises(RequestCancelled, match="after 1 of 3 media"):
         Preprocessor(MEDIA)(blobs, cancelled=cancelled)
+
+
+def test_cancellation_is_asked_at_most_once_per_interval():
+    from backends.serving.steps import throttled
+
+    now = [0.0]
+    asked = []
+    check = throttled(lambda: asked.append(now[0]) or True, 0.02, clock=lambda: now[0])
+    results = []
+    for t in (0.0, 0.01, 0.019, 0.021, 0.03, 0.05):
+        now[0] = t
+        results.append(check())
+    assert results == [False, False, False, True, False, True]
+    assert asked == [0.021, 0.05]

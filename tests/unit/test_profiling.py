@@ -1,0 +1,46 @@
+"""The stubs' optional profiler (backends/serving/profiling.py): its window, without a server."""
+
+from backends.serving.profiling import ExecuteProfiler
+
+
+def _calls(profiler, n):
+    for _ in range(n):
+        with profiler():
+            sum(range(1000))
+
+
+def test_off_without_a_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("KIMI_PROFILE_DIR", raising=False)
+    p = ExecuteProfiler("m")
+    _calls(p, 20)
+    p.close()
+    assert p.prof is None and p.seen == 0
+
+
+def test_window_after_skip_holds_the_asked_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("KIMI_PROFILE_SKIP", "2")
+    monkeypatch.setenv("KIMI_PROFILE_CALLS", "3")
+    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    p = ExecuteProfiler("m")
+    _calls(p, 10)
+    (out,) = tmp_path.glob("m-*.txt")
+    text = out.read_text()
+    assert text.startswith("m: 3 execute calls from call 3\n")
+    assert "Python, by cumulative time" in text and "function calls" in text
+
+
+def test_trigger_file_opens_the_window_and_unloading_writes_it(tmp_path, monkeypatch):
+    trigger = tmp_path / "START"
+    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
+    monkeypatch.setenv("KIMI_PROFILE_CALLS", "5")
+    monkeypatch.setenv("KIMI_PROFILE_TRIGGER", str(trigger))
+    p = ExecuteProfiler("m")
+    _calls(p, 4)
+    assert p.prof is None and not list(tmp_path.glob("m-*.txt"))
+    trigger.touch()
+    _calls(p, 2)  # fewer calls than the window: written at unload
+    p.close()
+    (out,) = tmp_path.glob("m-*.txt")
+    assert out.read_text().startswith("m: 2 execute calls from call 5\n")
