@@ -172,7 +172,9 @@ class EncoderStep:
         grids = np.concatenate([np.asarray(r.grid_thws, dtype=np.int64).reshape(-1, 3) for r in reqs])
         device = self.model.device
         # Cast each request before joining: an empty (text-only) request must not promote the batch.
-        pixels = torch.cat([r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs])
+        # One request (the plain ensemble, a batch of one) is used where it lies: no copy.
+        parts = [r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs]
+        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.forward(pixels, grids)
         # Split on host-known token counts: no device read.
         sizes = [self._tokens(r.grid_thws) for r in reqs]
