@@ -19,8 +19,10 @@ first case sent after the measured ones.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import io
 import os
+import pstats
 import re
 import statistics
 import time
@@ -36,6 +38,7 @@ from backends.deploy.repository import Deployment
 from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+from backends.serving.profiling import cuda_device_flags
 from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
@@ -80,6 +83,22 @@ def per_request_ms(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+def profile_alone(path: Path, fn, calls: int = 5) -> None:
+    """cProfile over `calls` calls of fn in this process (each ends with a device sync), written like the
+    stubs' windows (backends/serving/profiling.py), to set function by function beside theirs."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+        torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"in-process: {calls} calls; CUDA device flags: {cuda_device_flags()}\n"
+                    f"Python, by cumulative time:\n{text.getvalue()}\n")
+
+
 def measure_alone(args, dep: Deployment, requests: dict) -> dict:
     """In this process: the encoder as the server runs it (bf16, CUDA graphs), preprocessing, and
     decoding alone (exact GPU decode, Pillow on one core), per case."""
@@ -96,6 +115,8 @@ def measure_alone(args, dep: Deployment, requests: dict) -> dict:
         pil_ms = statistics.median(timed(lambda: [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs],
                                          max(3, args.iters // 4), warmup=1))
         pre_ms = statistics.median(timed(lambda: pre(blobs), args.iters))
+        if args.profile and not alone:  # the first case's preprocessing under cProfile, as the stubs profile it
+            profile_alone(args.out / "profile" / "alone-preprocess.txt", lambda: pre(blobs))
         alone[case] = {"encoder_ms": enc_ms, "gpu_decode_ms": gpu_ms, "pillow_decode_ms": pil_ms,
                        "preprocess_ms": pre_ms, "images": len(blobs)}
     return alone

@@ -14,6 +14,7 @@ import cProfile
 import io
 import os
 import pstats
+import threading
 from pathlib import Path
 
 
@@ -25,6 +26,9 @@ class ExecuteProfiler:
         # Optional: the window opens only once this file exists (a benchmark creates it after its
         # measured requests; with several instances per model, call counts per instance are unknown).
         self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
+        # KIMI_PROFILE_TORCH=0: cProfile only. torch's profiler (CUPTI) makes CUDA API calls slower, so
+        # host times under it are inflated; cProfile alone costs ~1 us per Python call.
+        self.torch = os.environ.get("KIMI_PROFILE_TORCH", "1") != "0"
         self.model, self.seen, self.prof, self.py, self.opened, self.in_window = model, 0, None, None, 0, 0
 
     def __call__(self):
@@ -47,7 +51,7 @@ class ExecuteProfiler:
 
         self.opened, self.in_window = self.seen, 1
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self.prof = profile(activities=activities)
+        self.prof = profile(activities=activities) if self.torch else contextlib.nullcontext()
         self.prof.__enter__()
         # torch's profiler sees torch ops only; cProfile sees the Python around them (IPC calls to
         # the server such as is_cancelled() and metric updates, header reads, conversions).
@@ -68,10 +72,32 @@ class ExecuteProfiler:
         python = io.StringIO()
         pstats.Stats(self.py, stream=python).sort_stats("cumulative").print_stats(35)
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=sort, row_limit=40)
+        table = self.prof.key_averages().table(sort_by=sort, row_limit=40) if self.torch else "(torch profiler off)"
+        threads = ", ".join(t.name for t in threading.enumerate())
         out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
+                       f"Python threads: {threads}; CUDA device flags: {cuda_device_flags()}\n"
                        f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"
                        f"Python, by cumulative time:\n{python.getvalue()}\n")
         self.prof = None
+
+
+def cuda_device_flags() -> str:
+    """cudaGetDeviceFlags of this process's current device, e.g. whether a host waiting for the GPU
+    spins or blocks (a blocking wait adds an OS wake-up to every synchronization)."""
+    import ctypes
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    try:
+        flags = ctypes.c_uint(0)
+        # The runtime torch already loaded (dlopen by soname returns the loaded copy).
+        lib = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+        status = lib.cudaGetDeviceFlags(ctypes.byref(flags))
+        schedule = {0: "auto", 1: "spin", 2: "yield", 4: "blocking_sync"}.get(flags.value & 7, hex(flags.value & 7))
+        return f"{hex(flags.value)} (schedule {schedule}, status {int(status)})"
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"unknown ({type(exc).__name__}: {exc})"
