@@ -33,7 +33,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.deploy.repository import Deployment, model_configs
-from contract import BATCHED_ENSEMBLE, ENSEMBLE, PLACEHOLDER
+from contract import BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
 from backends.placeholder.expand import expand_placeholders
 from backends.preprocess.decode import open_image
@@ -222,6 +222,7 @@ def main(argv=None) -> int:
             if shm != "none":
                 cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(output_region)]
             print("$", shlex.join(cmd), flush=True)
+            counts_before = encoder_counts(server.grpc_url)
             try:
                 # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
                 proc = subprocess.run(cmd, env=perf_analyzer_env(args.perf_dir), capture_output=True, text=True,
@@ -236,8 +237,11 @@ def main(argv=None) -> int:
                       f"{proc.stdout[-1500:]}{proc.stderr[-800:]}")
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": proc.returncode})
                 continue
+            counts_after = encoder_counts(server.grpc_url)
+            executions = counts_after[1] - counts_before[1]
+            batch = (counts_after[0] - counts_before[0]) / executions if executions else float("nan")
             with open(csv_path) as f:
-                rows += [{**row, "model": model, "shm": shm} for row in csv.DictReader(f)]
+                rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
     encoder_line = encoder_alone_line(args.checkpoint, images, args) if args.encoder_alone and not served else ""
 
@@ -248,9 +252,10 @@ def main(argv=None) -> int:
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),
-             "out ms = server compute output (avg), net ms = network + server send/recv (avg)",
+             "out ms = server compute output (avg), net ms = network + server send/recv (avg), "
+             "enc batch = requests per moonvit3d execution over perf_analyzer's whole run at that level",
              f"{'ensemble':>24} {'shm':>6} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} "
-             f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8}"]
+             f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8} {'enc batch':>9}"]
     if encoder_line:
         lines.insert(3, encoder_line)
     for row in rows:
@@ -261,11 +266,26 @@ def main(argv=None) -> int:
         rps = float(row["Inferences/Second"])
         lines.append(f"{head} {rps:9.2f} {len(images) * rps:9.2f} {_ms(row, 'p50 latency'):9.1f} "
                      f"{_ms(row, 'p99 latency'):9.1f} {_ms(row, 'Server Compute Output'):8.1f} "
-                     f"{_ms(row, 'Network+Server Send/Recv'):8.1f}")
+                     f"{_ms(row, 'Network+Server Send/Recv'):8.1f} {row.get('encoder_batch', float('nan')):9.2f}")
     text = "\n".join(lines)
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
     return 0
+
+
+def encoder_counts(url: str) -> tuple[int, int]:
+    """moonvit3d's (requests, executions) so far, from tritonserver's statistics API: their ratio over
+    a run is the batch size the dynamic batcher formed."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(ENCODER, as_json=True)["model_stats"][0]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+    except Exception:  # noqa: BLE001 - a column of the report, never a reason to stop
+        return 0, 0
+    finally:
+        client.close()
 
 
 def encoder_alone_line(checkpoint: str, images: list[bytes], args) -> str:
