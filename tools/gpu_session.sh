@@ -5,7 +5,7 @@
 #   bash tools/gpu_session.sh perf    # random real-size checkpoint -> e2e (ours vs reference) + perf_analyzer
 #   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
-#   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only),
+#   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
 #   perf2enc (1024^2 at c=16 with two encoder instances), perfcpupre (perf_analyzer, preprocessing on the CPU), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
@@ -67,7 +67,8 @@ python3 -c "import torch, triton, PIL, numpy, transformers; print('torch', torch
 for stage in "$@"; do
   case $stage in
     servertests)
-      python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py > "$out/gpu_server_tests.log" 2>&1
+      python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_server.py ${PYTEST_K:+-k "$PYTEST_K"} \
+        > "$out/gpu_server_tests.log" 2>&1
       grep -E "passed|failed|^E  " "$out/gpu_server_tests.log" | head -20 ;;
     stubprobe) python3 -m tools.stub_probe --label stub-np1 2>&1 | grep STUB_PROBE | cut -c1-220
       KIMI_STUB_SITE= python3 -m tools.stub_probe --allow-numpy2 --label host-numpy 2>&1 | grep STUB_PROBE | cut -c1-220 ;;
