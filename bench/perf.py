@@ -171,8 +171,6 @@ def main(argv=None) -> int:
     ap.add_argument("--encoder-instances", type=int, default=1,
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
-    ap.add_argument("--preprocess-device", choices=["", "cpu", "gpu"], default="",
-                    help="own server: where kimi_preprocess runs (default: with the encoder)")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
@@ -194,7 +192,7 @@ def main(argv=None) -> int:
     if served:
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances, preprocess_device=args.preprocess_device)
+                     preprocess_instances=args.preprocess_instances)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())

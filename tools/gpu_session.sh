@@ -6,7 +6,7 @@
 #   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
-#   perf2enc (1024^2 at c=16 with two encoder instances), perfcpupre (perf_analyzer, preprocessing on the CPU), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
+#   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -88,16 +88,6 @@ for stage in "$@"; do
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
     e2e) e2e ;;
     perfanalyzer) perfanalyzer ;;
-    perfcpupre)  # preprocessing on the CPU (4 instances per GPU), the GPU left to the encoder
-      perf_setup; random_checkpoint
-      for spec in "1024 1,16" "8x448 16"; do
-        read -r images levels <<< "$spec"
-        python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images "$images" \
-          --concurrency "$levels" --measurement-ms 3000 --ensembles plain,batched --shared-memory cuda --encoder-alone \
-          --preprocess-device cpu --out "$out/perf-$images-cpupre" > "$out/perf_gpu_${images}_cpupre.log" 2>&1
-        cat "$out/perf-$images-cpupre/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_${images}_cpupre.log"
-        cat "$out/perf-$images-cpupre/perf_summary.md"
-      done ;;
     perf2enc)  # one 1024^2 JPEG per request at concurrency 16 with two moonvit3d instances on the GPU
       perf_setup; random_checkpoint
       python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \

@@ -412,12 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
-                    help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU, "
-                         "4 per GPU with --preprocess-device cpu")
-    ap.add_argument("--preprocess-device", choices=["", "cpu", "gpu"],
-                    default=os.environ.get("KIMI_PREPROCESS_DEVICE", ""),
-                    help="where kimi_preprocess runs (default: with the encoder). cpu on a GPU deployment "
-                         "leaves the GPU to the encoder: more images/s under load, more latency per request")
+                    help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
 
@@ -427,8 +422,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
-                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
-                     preprocess_device=args.preprocess_device)
+                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
     server = deployment_server(dep, device,
                                repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),

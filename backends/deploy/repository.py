@@ -40,13 +40,8 @@ class Deployment:
     limits: Limits = field(default_factory=Limits)
     gpus: int = 1  # GPU deployment: GPUs 0..gpus-1 as this process sees them (CUDA_VISIBLE_DEVICES applies)
     encoder_instances: int = 1  # per GPU (GPU deployment) or in all (CPU)
-    # 0: 1 on CPU, 2 per GPU, so that one request's preprocessing overlaps another's encoder forward;
-    # 4 per GPU when a GPU deployment preprocesses on the CPU (Pillow's decode takes ~10 ms a 1024^2 JPEG).
+    # 0: 1 on CPU, 2 per GPU, so that one request's preprocessing overlaps another's encoder forward.
     preprocess_instances: int = 0
-    # Where kimi_preprocess runs: "" = with the encoder. "cpu" in a GPU deployment leaves the GPU to the
-    # encoder (no preprocessing kernels, no CUDA context of its own): more images/s under load, while
-    # one request waits for Pillow's decode (docs/triton_runtime.md#host-time-per-step).
-    preprocess_device: str = ""
     max_batch: int = 8  # requests per dynamic batch (composing models and the batched ensemble)
     # How long moonvit3d's batcher waits for more requests. 0: no window; requests that queue while the
     # encoder is busy are still batched, and nobody pays for waiting when there is nothing to batch.
@@ -57,14 +52,8 @@ class Deployment:
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
-        if not self.preprocess_device:
-            object.__setattr__(self, "preprocess_device", self.device)
-        if self.preprocess_device not in ("cpu", "gpu") or (self.preprocess_device == "gpu" and self.device == "cpu"):
-            raise ValueError(f"preprocess_device must be 'cpu' or, in a GPU deployment, 'gpu'; got "
-                             f"{self.preprocess_device!r} for device {self.device!r}")
         if self.preprocess_instances == 0:
-            default = {("gpu", "gpu"): 2, ("gpu", "cpu"): 4}.get((self.device, self.preprocess_device), 1)
-            object.__setattr__(self, "preprocess_instances", default)
+            object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -74,18 +63,6 @@ class Deployment:
         if kind == "KIND_GPU":
             return [{"kind": kind, "count": count, "gpus": [gpu]} for gpu in range(self.gpus)]
         return [{"kind": kind, "count": count}]
-
-    @property
-    def preprocess_kind(self) -> str:
-        return "KIND_GPU" if self.preprocess_device == "gpu" else "KIND_CPU"
-
-    @property
-    def preprocess_count(self) -> int:
-        """kimi_preprocess instances in its instance group: per GPU on GPUs, and on the CPU of a GPU
-        deployment preprocess_instances per GPU too (one group, so times the GPUs)."""
-        if self.preprocess_kind == "KIND_CPU" and self.device == "gpu":
-            return self.preprocess_instances * self.gpus
-        return self.preprocess_instances
 
     def cuda_pools(self) -> dict[int, int]:
         """GPU id -> Triton CUDA pool bytes (every GPU holds tensors between steps); empty on CPU."""
@@ -111,7 +88,7 @@ class Deployment:
         next step zeros (docs/triton_runtime.md#gpu-tensors-between-steps). Sized for the worst case the limits
         allow (BF16 pixels and embeddings of `max_patches`) times the requests that can hold such
         tensors at once: a full batch per encoder instance, moonvit3d's bounded queue, and one
-        request per preprocessing instance on the GPU. Per GPU: a request's tensors stay on the GPU that
+        request per preprocessing instance. Per GPU: a request's tensors stay on the GPU that
         preprocessed it, and in the worst case the whole queue waits on one GPU."""
         if self.device != "gpu":
             return None
@@ -119,8 +96,7 @@ class Deployment:
         pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 2
         embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 2
         grids = self.limits.max_images * 3 * 8
-        on_gpu = self.preprocess_instances if self.preprocess_device == "gpu" else 0
-        in_flight = self.encoder_instances * self.max_batch + self.max_queue + on_gpu
+        in_flight = self.encoder_instances * self.max_batch + self.max_queue + self.preprocess_instances
         return in_flight * (pixels + embeds + grids)
 
 
@@ -132,17 +108,13 @@ class Deployment:
         2.51 (docs/triton_runtime.md#known-server-limitations). Bound: each preprocessing instance's
         largest PIXEL_VALUES, and moonvit3d taking a full batch of such requests plus their
         embeddings. The limits enforce it; a GPU deployment passes the tensors as CUDA IPC handles,
-        so its regions hold a few MiB, unless it preprocesses on the CPU: then the pixels (BF16) come
-        through the regions. Encoded image bytes come on top (they are the request's own)."""
-        if self.preprocess_device == "gpu":
+        so its regions hold a few MiB. Encoded image bytes come on top (they are the request's own)."""
+        if self.device == "gpu":
             return 0
         enc = self.vision.encoder
-        itemsize = 2 if self.device == "gpu" else 4  # BF16 or FP32
-        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * itemsize
-        # A GPU encoder's embeddings stay on the GPU; only the pixels come through the regions.
-        embeds = 0 if self.device == "gpu" else self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 4
-        instances = self.encoder_instances * (self.gpus if self.device == "gpu" else 1)
-        return self.preprocess_count * pixels + instances * self.max_batch * (pixels + embeds)
+        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 4
+        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 4
+        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds)
 
 
 def _tensor(name, dtype, dims, optional=False):
@@ -209,7 +181,7 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         # id arithmetic and header reads: no GPU work
         dicts[name] = _python_model(dep, name, *placeholder_io, kind="KIND_CPU", count=1, max_batch=batch)
     for name, batch in ((PREPROCESS, 0), (PREPROCESS_BATCHED, dep.max_batch)):
-        dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.preprocess_kind, count=dep.preprocess_count,
+        dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.kind, count=dep.preprocess_instances,
                                     max_batch=batch)
     dicts[ENCODER] = _python_model(
         dep, ENCODER,

@@ -197,13 +197,3 @@ def test_cancellation_is_asked_at_most_once_per_interval():
         results.append(check())
     assert results == [False, False, False, True, False, True]
     assert asked == [0.021, 0.05]
-
-
-def test_bf16_pixels_on_the_cpu_are_the_fp32_pixels_rounded():
-    """A GPU deployment that preprocesses on the CPU (Deployment.preprocess_device="cpu") hands the
-    encoder BF16 pixels made on the CPU: the same values as the FP32 path, rounded once."""
-    blobs = [encode(photo_like(300, 200, seed=3), "JPEG"), encode(text_card(90, 70), "PNG")]
-    fp32, grids, _ = Preprocessor(MEDIA)(blobs)
-    bf16, grids16, _ = Preprocessor(MEDIA, out_dtype=torch.bfloat16)(blobs)
-    assert bf16.dtype == torch.bfloat16 and np.array_equal(grids, grids16)
-    assert torch.equal(bf16, fp32.to(torch.bfloat16))

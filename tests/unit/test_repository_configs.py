@@ -4,7 +4,6 @@ import re
 import shutil
 
 import pytest
-from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.deploy.repository import (MODELS, SOURCE_OF, SOURCE_REPOSITORY, Deployment, model_configs, render_config,
                                         render_repository)
@@ -93,31 +92,3 @@ def test_gpu_deployment_puts_instances_on_every_gpu_with_a_pool_each(gpus):
                                cuda_pools=dep.cuda_pools())
     pools = [a for a in cmd if a.startswith("--cuda-memory-pool-byte-size=")]
     assert pools == [f"--cuda-memory-pool-byte-size={g}:{dep.cuda_pool_bytes()}" for g in range(gpus)]
-
-
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_gpu_deployment_can_preprocess_on_the_cpu(gpus, tmp_path):
-    dep = Deployment(device="gpu", gpus=gpus, preprocess_device="cpu")
-    configs = model_configs(dep)
-    for model in ("kimi_preprocess", "kimi_preprocess_batched"):
-        (group,) = configs[model].instance_group
-        assert group.kind == group.KIND_CPU and group.count == 4 * gpus and not list(group.gpus)
-        params = configs[model].parameters
-        assert params["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"
-        pixels = next(o for o in configs[model].output if o.name == "PIXEL_VALUES")
-        assert mc.DataType.Name(pixels.data_type) == "TYPE_BF16"  # what the GPU encoder takes, made on the CPU
-    assert all(g.kind == g.KIND_GPU for g in configs["moonvit3d"].instance_group)
-    # The pixels now come through the Python backend's shared memory; the CUDA pool no longer holds them
-    # for preprocessing instances.
-    assert dep.shm_ceiling_bytes() > 0 == Deployment(device="gpu", gpus=gpus).shm_ceiling_bytes()
-    assert dep.cuda_pool_bytes() < Deployment(device="gpu", gpus=gpus).cuda_pool_bytes()
-    assert validate_repository(render_repository(dep, tmp_path / "repo")) == []
-
-
-def test_preprocess_device_is_checked():
-    with pytest.raises(ValueError, match="preprocess_device"):
-        Deployment(device="cpu", preprocess_device="gpu")
-    with pytest.raises(ValueError, match="preprocess_device"):
-        Deployment(device="gpu", preprocess_device="tpu")
-    assert Deployment(device="cpu").preprocess_device == "cpu"
-    assert Deployment(device="gpu").preprocess_device == "gpu"
