@@ -238,8 +238,9 @@ def main(argv=None) -> int:
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": proc.returncode})
                 continue
             counts_after = encoder_counts(server.grpc_url)
-            executions = counts_after[1] - counts_before[1]
-            batch = (counts_after[0] - counts_before[0]) / executions if executions else float("nan")
+            batch = float("nan")
+            if counts_before and counts_after and counts_after[1] > counts_before[1]:
+                batch = (counts_after[0] - counts_before[0]) / (counts_after[1] - counts_before[1])
             with open(csv_path) as f:
                 rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
@@ -273,9 +274,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def encoder_counts(url: str) -> tuple[int, int]:
+def encoder_counts(url: str) -> tuple[int, int] | None:
     """moonvit3d's (requests, executions) so far, from tritonserver's statistics API: their ratio over
-    a run is the batch size the dynamic batcher formed."""
+    a run is the batch size the dynamic batcher formed. None if the statistics could not be read."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -283,7 +284,7 @@ def encoder_counts(url: str) -> tuple[int, int]:
         stats = client.get_inference_statistics(ENCODER, as_json=True)["model_stats"][0]
         return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
     except Exception:  # noqa: BLE001 - a column of the report, never a reason to stop
-        return 0, 0
+        return None
     finally:
         client.close()
 

@@ -106,7 +106,7 @@ def _libpython_dir(dest: Path) -> str:
     cuDNN attention (docs/triton_runtime.md#the-embedded-server). "" when Python is not shared."""
     name = sysconfig.get_config_var("INSTSONAME") or ""
     lib = Path(sysconfig.get_config_var("LIBDIR") or "") / name
-    if not name or not lib.exists():
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED") or not name or not lib.exists():
         return ""
     dest = dest / hashlib.sha1(str(lib).encode()).hexdigest()[:12]  # one folder per interpreter
     dest.mkdir(parents=True, exist_ok=True)

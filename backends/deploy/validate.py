@@ -38,7 +38,7 @@ def compatible(a: TensorSpec, b: TensorSpec) -> bool:
 
 def _dims(dims) -> tuple[int, ...]:
     # Triton matches ensemble tensors on the dims as declared, batch dimension excluded on both sides
-    # (an unbatched ensemble may feed a batching model: its requests then arrive unbatched).
+    # (an unbatched ensemble may feed a batching model: Triton gives each request a batch dimension of 1).
     return tuple(dims)
 
 

@@ -14,6 +14,8 @@ Backends:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +70,15 @@ def _per_media(q, k, v, meta: ForwardMetadata, sdpa) -> torch.Tensor:
     return out
 
 
+def _priority_kwargs(sdpa_kernel) -> dict:
+    """{"set_priority": True} where torch's sdpa_kernel takes it (torch >= 2.7); older torch (the
+    container's 2.5.1) has no priority control and keeps its own order."""
+    try:
+        return {"set_priority": True} if "set_priority" in inspect.signature(sdpa_kernel).parameters else {}
+    except (TypeError, ValueError):  # a signature Python cannot read
+        return {}
+
+
 def _cudnn_sdpa(q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -75,7 +86,7 @@ def _cudnn_sdpa(q, k, v):
     # own, which puts cuDNN first only for a recent enough cuDNN (>= 9.15 on sm90): a tritonserver stub
     # that had loaded an older system cuDNN ran torch's flash kernel here, 0.66 against 0.44 ms per
     # layer for a 1024^2 image (docs/triton_runtime.md#the-embedded-server).
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], **_priority_kwargs(sdpa_kernel)):
         return F.scaled_dot_product_attention(q, k, v)
 
 

@@ -12,17 +12,20 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import io
+import logging
 import os
 import pstats
 import threading
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class ExecuteProfiler:
     def __init__(self, model: str):
         self.dir = os.environ.get("KIMI_PROFILE_DIR", "")
         self.skip = int(os.environ.get("KIMI_PROFILE_SKIP", "5"))
-        self.calls = int(os.environ.get("KIMI_PROFILE_CALLS", "5"))
+        self.calls = max(1, int(os.environ.get("KIMI_PROFILE_CALLS", "5")))
         # Optional: the window opens only once this file exists (a benchmark creates it after its
         # measured requests; with several instances per model, call counts per instance are unknown).
         self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
@@ -42,7 +45,11 @@ class ExecuteProfiler:
             else:
                 self.in_window += 1
         elif not self.opened and self.seen > self.skip and (not self.trigger or os.path.exists(self.trigger)):
-            self._open()
+            try:
+                self._open()
+            except Exception:  # noqa: BLE001 - a diagnostic must never cost a request
+                log.exception("%s: could not start profiling; profiling off", self.model)
+                self.dir, self.prof, self.py = "", None, None
         return contextlib.nullcontext()
 
     def _open(self) -> None:
@@ -65,22 +72,27 @@ class ExecuteProfiler:
             return
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.py.disable()
-        self.prof.__exit__(None, None, None)
-        python = io.StringIO()
-        pstats.Stats(self.py, stream=python).sort_stats("cumulative").print_stats(35)
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=sort, row_limit=40) if self.torch else "(torch profiler off)"
-        threads = ", ".join(t.name for t in threading.enumerate())
-        out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
-                       f"Python threads: {threads}; CUDA device flags: {cuda_device_flags()}\n"
-                       f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"
-                       f"Python, by cumulative time:\n{python.getvalue()}\n")
-        self.prof = None
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.py.disable()
+            self.prof.__exit__(None, None, None)
+            python = io.StringIO()
+            pstats.Stats(self.py, stream=python).sort_stats("cumulative").print_stats(35)
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = self.prof.key_averages().table(sort_by=sort, row_limit=40) if self.torch else "(torch profiler off)"
+            threads = ", ".join(t.name for t in threading.enumerate())
+            out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
+                           f"Python threads: {threads}; CUDA device flags: {cuda_device_flags()}\n"
+                           f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"
+                           f"Python, by cumulative time:\n{python.getvalue()}\n")
+        except Exception:  # noqa: BLE001 - a diagnostic must never cost a request
+            log.exception("%s: could not write the profile; profiling off", self.model)
+            self.dir = ""
+        finally:
+            self.prof = self.py = None
 
 
 def cuda_device_flags() -> str:

@@ -171,7 +171,9 @@ class _Adapter:
         return responses
 
     def finalize(self):
-        self.profiler.close()  # a profiling window still open when the model unloads is written now
+        profiler = getattr(self, "profiler", None)  # None if initialize failed before making it
+        if profiler is not None:
+            profiler.close()  # a profiling window still open when the model unloads is written now
 
     def error_response(self, exc: Exception):
         self.metrics.failure(exc)

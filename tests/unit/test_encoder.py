@@ -204,3 +204,14 @@ def test_a_graphed_call_with_the_wrong_pixel_count_fails_like_the_model():
     with pytest.raises(ValueError, match=r"PIXEL_VALUES must have shape \[N, 3, 14, 14\]"):
         graphed(torch.randn(24, 1, 14, 14), grids)
     assert graphed.replays == 0
+
+
+def test_cudnn_first_is_asked_only_where_torch_can_be_asked():
+    """sdpa_kernel's set_priority exists from torch 2.7; the container's torch 2.5.1 lacks it, and
+    passing it there would fail every forward on the GPU."""
+    from torch.nn.attention import sdpa_kernel
+
+    from backends.encoder.attention import _priority_kwargs
+
+    assert _priority_kwargs(sdpa_kernel) == {"set_priority": True}  # this environment's torch
+    assert _priority_kwargs(lambda backends: None) == {}  # torch 2.5's signature: sdpa_kernel(backends)

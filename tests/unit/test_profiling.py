@@ -44,3 +44,15 @@ def test_trigger_file_opens_the_window_and_unloading_writes_it(tmp_path, monkeyp
     p.close()
     (out,) = tmp_path.glob("m-*.txt")
     assert out.read_text().startswith("m: 2 execute calls from call 5\n")
+
+
+def test_a_profiler_that_cannot_write_turns_itself_off(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # KIMI_PROFILE_DIR names a file: writing the tables must fail
+    monkeypatch.setenv("KIMI_PROFILE_DIR", str(blocker))
+    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
+    monkeypatch.setenv("KIMI_PROFILE_CALLS", "0")  # clamped to 1
+    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    p = ExecuteProfiler("m")
+    _calls(p, 5)  # the window closes at the second call, fails to write, and profiling stops
+    assert p.prof is None and p.dir == "" and p.calls == 1
