@@ -22,8 +22,6 @@ import argparse
 import cProfile
 import io
 import os
-import pstats
-import re
 import statistics
 import time
 import urllib.request
@@ -35,10 +33,11 @@ from PIL import Image
 
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
+from backends.deploy.supervisor import parse_metrics
 from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-from backends.serving.profiling import cuda_device_flags
+from backends.serving.profiling import cuda_device_flags, python_table
 from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
@@ -70,10 +69,8 @@ def our_code_seconds(metrics_url: str) -> dict[str, float]:
     GPU work may still run after it. Triton's compute infer minus this is the Python backend's own
     share (moving tensors and messages between server and stub) plus waiting for the GPU."""
     text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-    out = {}
-    for m in re.finditer(r'^kimi_vision_step_seconds_sum\{model="([^"]+)"\} ([0-9.e+-]+)$', text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    return {labels["model"]: value for name, labels, value in parse_metrics(text)
+            if name == "kimi_vision_step_seconds_sum" and "model" in labels}
 
 
 def per_request_ms(before: dict, after: dict) -> dict[str, float]:
@@ -92,11 +89,9 @@ def profile_alone(path: Path, fn, calls: int = 5) -> None:
         fn()
         torch.cuda.synchronize()
     prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(35)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"in-process: {calls} calls; CUDA device flags: {cuda_device_flags()}\n"
-                    f"Python, by cumulative time:\n{text.getvalue()}\n")
+                    f"Python, by cumulative time:\n{python_table(prof)}\n")
 
 
 def measure_alone(args, dep: Deployment, requests: dict) -> dict:

@@ -14,6 +14,7 @@ Backends:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -70,6 +71,7 @@ def _per_media(q, k, v, meta: ForwardMetadata, sdpa) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # once per process, not per attention call
 def _priority_kwargs(sdpa_kernel) -> dict:
     """{"set_priority": True} where torch's sdpa_kernel takes it (torch >= 2.7); older torch (the
     container's 2.5.1) has no priority control and keeps its own order."""

@@ -77,8 +77,6 @@ class ExecuteProfiler:
                 torch.cuda.synchronize()
             self.py.disable()
             self.prof.__exit__(None, None, None)
-            python = io.StringIO()
-            pstats.Stats(self.py, stream=python).sort_stats("cumulative").print_stats(35)
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             table = self.prof.key_averages().table(sort_by=sort, row_limit=40) if self.torch else "(torch profiler off)"
             threads = ", ".join(t.name for t in threading.enumerate())
@@ -87,12 +85,19 @@ class ExecuteProfiler:
             out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
                            f"Python threads: {threads}; CUDA device flags: {cuda_device_flags()}\n"
                            f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"
-                           f"Python, by cumulative time:\n{python.getvalue()}\n")
+                           f"Python, by cumulative time:\n{python_table(self.py)}\n")
         except Exception:  # noqa: BLE001 - a diagnostic must never cost a request
             log.exception("%s: could not write the profile; profiling off", self.model)
             self.dir = ""
         finally:
             self.prof = self.py = None
+
+
+def python_table(profile: cProfile.Profile, rows: int = 35) -> str:
+    """A cProfile's most expensive functions by cumulative time, as pstats prints them."""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(rows)
+    return text.getvalue()
 
 
 def cuda_device_flags() -> str:

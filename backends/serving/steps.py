@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def throttled(ask, every_s: float, clock=time.monotonic):
     """`ask` wrapped so that it is really asked at most once per `every_s` (the first time `every_s`
     after this call); in between the answer is False. For request.is_cancelled(), a round trip from
-    the stub to the server (~0.07 ms measured): asked before every media of an 8-image request it cost
+    the stub to the server: asked before every media of an 8-image request it cost
     more than the check is worth, while a request that runs long is still stopped within `every_s`."""
     last = clock()
 
