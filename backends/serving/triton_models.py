@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import traceback
 
@@ -240,7 +241,9 @@ class EncoderModel(_Adapter):
         self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
         self.device = torch.device(self.settings.device)
         on_start = None
-        self.compute_stream = self.copy_stream = None
+        self.compute_stream = self.copy_stream = self.responder = None
+        if os.environ.get("KIMI_ENCODER_RESPONDER", "1") == "0":  # A/B measurements: answer from execute
+            return
         if self.device.type == "cuda":
             self.compute_stream = torch.cuda.Stream(device=self.device)
             self.copy_stream = torch.cuda.Stream(device=self.device)
@@ -294,6 +297,12 @@ class EncoderModel(_Adapter):
             results, wait = [exc] * len(good), None
         elapsed = time.perf_counter() - t0
         results_iter = iter(results)
+        if self.responder is None:
+            responses = []
+            for p in parsed:
+                responses.append(self._response(p, next(results_iter) if isinstance(p, tuple) else p))
+                self.metrics.step_time(elapsed)
+            return responses
         sends = []
         for request, p in zip(requests, parsed):
             result = next(results_iter) if isinstance(p, tuple) else p
@@ -302,21 +311,22 @@ class EncoderModel(_Adapter):
         self.responder.submit(wait, sends)
         return [None] * len(requests)
 
+    def _response(self, parsed, result):
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            outputs = parsed[0].shape_outputs({"IMAGE_EMBEDS": result})
+            return pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])])
+        except Exception as exc:  # noqa: BLE001 - this request alone
+            return self.error_response(exc)
+
     def _send(self, request, parsed, result):
         """The one response of `request`, sent once the batch's wait has returned."""
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
         def send(wait_error: BaseException | None) -> None:
-            try:
-                if wait_error is not None:
-                    raise wait_error
-                if isinstance(result, Exception):
-                    raise result
-                outputs = parsed[0].shape_outputs({"IMAGE_EMBEDS": result})
-                response = pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])])
-            except Exception as exc:  # noqa: BLE001 - this request alone
-                response = self.error_response(exc)
+            response = self._response(parsed, wait_error if wait_error is not None else result)
             try:
                 sender.send(response, flags=final)
             except Exception as exc:  # noqa: BLE001 - e.g. the outputs could not be copied: say so instead
