@@ -7,7 +7,6 @@
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
-#   abresp (moonvit3d's Responder on/off, 1 or 2 preprocessing instances, GPU utilization),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -96,23 +95,6 @@ for stage in "$@"; do
         --encoder-instances 2 --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
       cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
-    abresp)  # 1024^2 at c=1 and 16: moonvit3d answering via its Responder (on) or from execute (off),
-      # 2 or 1 preprocessing instances; GPU utilization sampled every 200 ms (nvidia-smi) during each run
-      perf_setup; random_checkpoint
-      for v in on:2 off:2 off:1 on:1; do
-        r=${v%:*}; n=${v#*:}; tag=ab-$r-$n
-        nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader,nounits -lms 200 > "$out/$tag-smi.csv" 2>/dev/null &
-        smi=$!
-        KIMI_ENCODER_RESPONDER=$([[ $r == on ]] && echo 1 || echo 0) python3 -m bench.perf --device gpu \
-          --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 --concurrency 1,16 --measurement-ms 3000 \
-          --ensembles plain --shared-memory cuda $([[ $v == on:2 ]] && echo --encoder-alone) --preprocess-instances $n \
-          --out "$out/$tag" > "$out/$tag.log" 2>&1
-        kill $smi 2>/dev/null; wait $smi 2>/dev/null
-        { echo "### responder $r, preprocessing instances $n"; cat "$out/$tag/perf_summary.md" || tail -20 "$out/$tag.log"
-          python3 -c "import sys; u=sorted(int(l.split(',')[1]) for l in open(sys.argv[1]) if l.strip()); top=u[len(u)//2:]; print(f'nvidia-smi utilization.gpu, {len(u)} samples: busiest half median {top[len(top)//2]}%, p90 {u[int(len(u)*0.9)]}%, max {u[-1]}%')" "$out/$tag-smi.csv"
-        } >> "$out/perf_gpu.md"
-      done
-      cat "$out/perf_gpu.md" ;;
     perf) e2e; perfanalyzer ;;
     decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
     stages) random_checkpoint

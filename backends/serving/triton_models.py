@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import traceback
 
@@ -22,7 +21,6 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics
 from backends.serving.profiling import ExecuteProfiler
-from backends.serving.responder import Responder
 from contract import FORWARD_SUFFIX
 from backends.serving.steps import (EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep,
                                     throttled)
@@ -223,15 +221,7 @@ class PreprocessModel(_Adapter):
 
 
 class EncoderModel(_Adapter):
-    """Answers through a Responder: `execute` launches the forward and returns, and the responses
-    go out once the GPU is done, so the next batch's transfer and host work overlap this one's
-    kernels (backends/serving/responder.py). On a GPU the forward runs on this instance's own CUDA
-    stream: the stub's output copies (on the legacy default stream) then never wait for a later
-    batch's kernels."""
-
     name = "moonvit3d"
-    # Batches launched but not yet answered: one on the GPU while the next is prepared.
-    MAX_PENDING = 1
 
     def setup(self):
         from backends.weights.load import load_model
@@ -239,35 +229,6 @@ class EncoderModel(_Adapter):
         model, _ = load_model(self.settings.checkpoint, self.settings.device,
                               dtype=_out_dtype(self.config, "IMAGE_EMBEDS"), config=self.settings.vision)
         self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
-        self.device = torch.device(self.settings.device)
-        on_start = None
-        self.compute_stream = self.copy_stream = self.responder = None
-        if os.environ.get("KIMI_ENCODER_RESPONDER", "1") == "0":  # A/B measurements: answer from execute
-            return
-        if self.device.type == "cuda":
-            self.compute_stream = torch.cuda.Stream(device=self.device)
-            self.copy_stream = torch.cuda.Stream(device=self.device)
-            on_start = lambda: torch.cuda.set_device(self.device)  # noqa: E731 - the sends' copies use it
-        self.responder = Responder(self.MAX_PENDING, name=f"{self.name}-responder", on_start=on_start)
-
-    def _own(self, pixels: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of the requests' pixels in this process's memory, complete when this returns.
-
-        Triton releases the requests, and with them their input buffers, as soon as `execute`
-        returns, while the forward may still be queued behind the previous batch. The copies run on a
-        side stream so that they do not wait for that batch; the compute stream waits for them."""
-        if self.copy_stream is None:  # CPU: the forward finishes inside execute
-            return pixels
-        dtype = self.step.model.dtype
-        with torch.cuda.stream(self.copy_stream):
-            owned = [p.to(self.device, dtype, copy=True) for p in pixels]
-            copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-        copied.synchronize()
-        self.compute_stream.wait_event(copied)
-        for t in owned:  # allocated on the copy stream, read on the compute stream
-            t.record_stream(self.compute_stream)
-        return owned
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
@@ -280,64 +241,18 @@ class EncoderModel(_Adapter):
                 parsed.append((inputs, EncoderRequest(inputs.torch("PIXEL_VALUES"), inputs.numpy("GRID_THWS"))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-        good = [p for p in parsed if isinstance(p, tuple)]
         t0 = time.perf_counter()
-        try:
-            owned = self._own([p[1].pixel_values for p in good])
-            batch = [EncoderRequest(px, p[1].grid_thws) for px, p in zip(owned, good)]
-            if self.compute_stream is None:
-                results, wait = self.step.run_batch(batch), None
-            else:
-                with torch.cuda.stream(self.compute_stream):
-                    results = self.step.run_batch(batch)
-                    done = torch.cuda.Event()
-                    done.record(self.compute_stream)
-                wait = done.synchronize
-        except Exception as exc:  # noqa: BLE001 - e.g. the copy failed: every request of the batch gets it
-            results, wait = [exc] * len(good), None
+        results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
         elapsed = time.perf_counter() - t0
-        results_iter = iter(results)
-        if self.responder is None:
-            responses = []
-            for p in parsed:
-                responses.append(self._response(p, next(results_iter) if isinstance(p, tuple) else p))
-                self.metrics.step_time(elapsed)
-            return responses
-        sends = []
-        for request, p in zip(requests, parsed):
-            result = next(results_iter) if isinstance(p, tuple) else p
-            sends.append(self._send(request, p, result))
-            self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
-        self.responder.submit(wait, sends)
-        return [None] * len(requests)
-
-    def _response(self, parsed, result):
-        try:
-            if isinstance(result, BaseException):
-                raise result
-            outputs = parsed[0].shape_outputs({"IMAGE_EMBEDS": result})
-            return pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])])
-        except Exception as exc:  # noqa: BLE001 - this request alone
-            return self.error_response(exc)
-
-    def _send(self, request, parsed, result):
-        """The one response of `request`, sent once the batch's wait has returned."""
-        sender = request.get_response_sender()
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-
-        def send(wait_error: BaseException | None) -> None:
-            response = self._response(parsed, wait_error if wait_error is not None else result)
+        responses = []
+        for p in parsed:
+            result = next(results) if isinstance(p, tuple) else p
             try:
-                sender.send(response, flags=final)
-            except Exception as exc:  # noqa: BLE001 - e.g. the outputs could not be copied: say so instead
-                if response.has_error():
-                    raise
-                sender.send(self.error_response(exc), flags=final)
-
-        return send
-
-    def finalize(self):
-        responder = getattr(self, "responder", None)
-        if responder is not None:
-            responder.close()  # answers every request already handed over before the model unloads
-        super().finalize()
+                if isinstance(result, Exception):
+                    raise result
+                outputs = p[0].shape_outputs({"IMAGE_EMBEDS": result})
+                responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])]))
+            except Exception as exc:  # noqa: BLE001 - this request alone
+                responses.append(self.error_response(exc))
+            self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
+        return responses
