@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh perf    # random real-size checkpoint -> e2e (ours vs reference) + perf_analyzer
 #   (perf = e2e then perfanalyzer; run those two stages as separate calls if one call must stay short)
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
+#   (STAGE_ARGS adds arguments to stages' stage_bench, e.g. "--profile-case 8x448^2"),
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env)
@@ -98,7 +99,7 @@ for stage in "$@"; do
     perf) e2e; perfanalyzer ;;
     decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
     stages) random_checkpoint
-      python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" --profile > "$out/stage_bench.log" 2>&1
+      python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" --profile ${STAGE_ARGS:-} > "$out/stage_bench.log" 2>&1
       tail -30 "$out/stage_bench.log"
       for f in "$out"/profile/moonvit3d-*.txt "$out"/profile/kimi_preprocess-*.txt; do
         [[ -f $f ]] && head -22 "$f" | cut -c1-58,100-140

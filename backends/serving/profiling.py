@@ -57,7 +57,9 @@ class ExecuteProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         self.opened, self.in_window = self.seen, 1
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        # is_initialized, not is_available: a CPU model (the placeholder) on a GPU host has no CUDA
+        # context, and profiling it must not create one (nor time its creation).
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
         self.prof = profile(activities=activities) if self.torch else contextlib.nullcontext()
         self.prof.__enter__()
         # torch's profiler sees torch ops only; cProfile sees the Python around them (IPC calls to
@@ -73,11 +75,11 @@ class ExecuteProfiler:
         import torch
 
         try:
-            if torch.cuda.is_available():
+            self.py.disable()  # before the synchronize: it is the profiler's wait, not the window's work
+            if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
-            self.py.disable()
             self.prof.__exit__(None, None, None)
-            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            sort = "self_cuda_time_total" if torch.cuda.is_initialized() else "self_cpu_time_total"
             table = self.prof.key_averages().table(sort_by=sort, row_limit=40) if self.torch else "(torch profiler off)"
             threads = ", ".join(t.name for t in threading.enumerate())
             out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
@@ -107,8 +109,8 @@ def cuda_device_flags() -> str:
 
     import torch
 
-    if not torch.cuda.is_available():
-        return "no CUDA"
+    if not torch.cuda.is_initialized():
+        return "no CUDA context in this process"
     try:
         flags = ctypes.c_uint(0)
         # The runtime torch already loaded (dlopen by soname returns the loaded copy).
