@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from backends.config import DEMO_CONFIG, Limits, VisionConfig
+from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
@@ -61,8 +61,12 @@ class ModelSettings:
             max_patches=int(params.get("max_patches", base.max_patches)),
             max_image_pixels=int(params.get("max_image_pixels", base.max_image_pixels)),
         )
-        vision = VisionConfig.from_json(params["vision_config"]) if params.get("vision_config") else DEMO_CONFIG
-        return cls(checkpoint=params.get("checkpoint", ""), device=device, limits=limits,
+        checkpoint = params.get("checkpoint", "")
+        if params.get("vision_config"):  # what backends/deploy renders: resolved once, for every instance
+            vision = VisionConfig.from_json(params["vision_config"])
+        else:  # a repository written by hand: the checkpoint's own config, never the demo's for a checkpoint
+            vision = load_checkpoint_config(checkpoint) if checkpoint else DEMO_CONFIG
+        return cls(checkpoint=checkpoint, device=device, limits=limits,
                    cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
 
 

@@ -206,3 +206,18 @@ def test_tokenizer_agreeing_is_silent(tmp_path):
         warnings.simplefilter("error")
         assert loader.check_placeholder_id(tmp_path, 163605) == []
     assert loader.tokenizer_media_pad_ids(tmp_path) == {"tokenizer_config.json": 163605}
+
+
+def test_model_settings_without_rendered_config_read_the_checkpoint(tmp_path):
+    """A model repository written by hand (no vision_config parameter) serves the checkpoint's own
+    config, never the demo's: here a different placeholder id and hidden size."""
+    from backends.config import DEMO_CONFIG
+    from backends.serving.steps import ModelSettings
+
+    (tmp_path / "config.json").write_text(json.dumps(original_config(media_pad=170000)))
+    got = ModelSettings.from_parameters({"checkpoint": str(tmp_path)}).vision
+    assert got.tokens.media_pad == 170000 and got.encoder.hidden_size == ENC.hidden_size
+    assert got != DEMO_CONFIG
+    assert ModelSettings.from_parameters({}).vision == DEMO_CONFIG
+    rendered = ModelSettings.from_parameters({"checkpoint": str(tmp_path), "vision_config": DEMO_CONFIG.to_json()})
+    assert rendered.vision == DEMO_CONFIG  # the renderer's resolved config wins
