@@ -1,7 +1,7 @@
 """Where the encoder's GPU time goes: torch.profiler over one forward per case (real size, random
 bf16 weights), top kernels by CUDA time.
 
-    python -m bench.profile_encoder --out bench/out [--backend cudnn_loop] [--compiled]
+    python -m bench.profile_encoder --out bench/out [--backend cudnn_loop]
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--backend", default=None)
-    ap.add_argument("--compiled", action="store_true")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = init_random_(KimiVisionModel(EncoderConfig())).to("cuda", torch.bfloat16).eval()
-    model.compile_blocks(args.compiled)
-    text = [f"# Encoder profile ({'compiled blocks' if args.compiled else 'eager'}, backend {args.backend or 'auto'})\n",
+    text = [f"# Encoder profile (eager, backend {args.backend or 'auto'})\n",
             machine_line()]
     for case, grids in CASES.items():
         n = sum(t * h * w for t, h, w in grids)
@@ -45,7 +43,7 @@ def main(argv=None) -> int:
         text += [f"\n## {case}\n", table]
     out = "\n".join(text)
     print(out)
-    (args.out / f"profile_{'compiled' if args.compiled else 'eager'}.txt").write_text(out)
+    (args.out / "profile_eager.txt").write_text(out)
     return 0
 
 
