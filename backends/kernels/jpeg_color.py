@@ -85,6 +85,11 @@ def ycc_to_rgb_reference(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor, fx
 if triton is not None:
 
     @triton.jit
+    def _tri(near_ptr, far_ptr, mask):
+        """The triangle filter's weighted sum before rounding: 3 x the nearer sample + the farther."""
+        return 3 * tl.load(near_ptr, mask=mask, other=0).to(tl.int32) + tl.load(far_ptr, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
     def _ycc_rgb_kernel(y_ptr, cb_ptr, cr_ptr, out_ptr, H, W, DH, DW, Y_PITCH, C_PITCH,
                         FX: tl.constexpr, FY: tl.constexpr, FANCY_H: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -98,33 +103,25 @@ if triton is not None:
             odd_y = (row % 2) == 1
             jn = tl.where(odd_y, tl.minimum(j + 1, DH - 1), tl.maximum(j - 1, 0))
             base, near = j.to(tl.int64) * C_PITCH, jn.to(tl.int64) * C_PITCH
-            if FX == 1:
+            if FX == 1:  # h1v2: vertical triangle only
                 bias = tl.where(odd_y, 2, 1)
-                u = (3 * tl.load(cb_ptr + base + i, mask=mask, other=0).to(tl.int32)
-                     + tl.load(cb_ptr + near + i, mask=mask, other=0).to(tl.int32) + bias) >> 2
-                v = (3 * tl.load(cr_ptr + base + i, mask=mask, other=0).to(tl.int32)
-                     + tl.load(cr_ptr + near + i, mask=mask, other=0).to(tl.int32) + bias) >> 2
-            else:
+                u = (_tri(cb_ptr + base + i, cb_ptr + near + i, mask) + bias) >> 2
+                v = (_tri(cr_ptr + base + i, cr_ptr + near + i, mask) + bias) >> 2
+            else:  # h2v2: vertical sums of this column and its neighbour, then the horizontal triangle
                 i_n = tl.where(odd_x, tl.minimum(i + 1, DW - 1), tl.maximum(i - 1, 0))
                 bias = tl.where(odd_x, 7, 8)
-                su = 3 * tl.load(cb_ptr + base + i, mask=mask, other=0).to(tl.int32) \
-                    + tl.load(cb_ptr + near + i, mask=mask, other=0).to(tl.int32)
-                sun = 3 * tl.load(cb_ptr + base + i_n, mask=mask, other=0).to(tl.int32) \
-                    + tl.load(cb_ptr + near + i_n, mask=mask, other=0).to(tl.int32)
-                sv = 3 * tl.load(cr_ptr + base + i, mask=mask, other=0).to(tl.int32) \
-                    + tl.load(cr_ptr + near + i, mask=mask, other=0).to(tl.int32)
-                svn = 3 * tl.load(cr_ptr + base + i_n, mask=mask, other=0).to(tl.int32) \
-                    + tl.load(cr_ptr + near + i_n, mask=mask, other=0).to(tl.int32)
+                su = _tri(cb_ptr + base + i, cb_ptr + near + i, mask)
+                sun = _tri(cb_ptr + base + i_n, cb_ptr + near + i_n, mask)
+                sv = _tri(cr_ptr + base + i, cr_ptr + near + i, mask)
+                svn = _tri(cr_ptr + base + i_n, cr_ptr + near + i_n, mask)
                 u = (3 * su + sun + bias) >> 4
                 v = (3 * sv + svn + bias) >> 4
-        elif FY == 1 and FANCY_H:
+        elif FY == 1 and FANCY_H:  # h2v1: horizontal triangle only
             base = j.to(tl.int64) * C_PITCH
             i_n = tl.where(odd_x, tl.minimum(i + 1, DW - 1), tl.maximum(i - 1, 0))
             bias = tl.where(odd_x, 2, 1)
-            u = (3 * tl.load(cb_ptr + base + i, mask=mask, other=0).to(tl.int32)
-                 + tl.load(cb_ptr + base + i_n, mask=mask, other=0).to(tl.int32) + bias) >> 2
-            v = (3 * tl.load(cr_ptr + base + i, mask=mask, other=0).to(tl.int32)
-                 + tl.load(cr_ptr + base + i_n, mask=mask, other=0).to(tl.int32) + bias) >> 2
+            u = (_tri(cb_ptr + base + i, cb_ptr + base + i_n, mask) + bias) >> 2
+            v = (_tri(cr_ptr + base + i, cr_ptr + base + i_n, mask) + bias) >> 2
         else:
             base = j.to(tl.int64) * C_PITCH
             u = tl.load(cb_ptr + base + i, mask=mask, other=0).to(tl.int32)
