@@ -1,7 +1,8 @@
 """The service's contract, shared by the server and its clients: token ids, model names, tensor names.
 
 Standard library only, so that a client imports it without torch, Pillow or the server's packages.
-Every other module takes these names from here (docs/kimi_k25.md#token-ids for the ids).
+The model configs are rendered with these names (backends/deploy/repository.py); a client can import
+them without the server's packages (docs/kimi_k25.md#token-ids for the ids).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ PIXEL_VALUES = "PIXEL_VALUES"
 # ensemble output also feeds a later step (docs/triton_runtime.md#known-server-limitations).
 FORWARD_SUFFIX = "_FORWARD"
 
-INPUTS = (INPUT_IDS, IMAGES, MEDIA_FRAMES)
 OUTPUTS = (EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS)
-OPTIONAL_INPUTS = (MEDIA_FRAMES,)
 
 
 def chat_prompt_ids(num_media: int, text_ids=(1, 2, 3)) -> list[int]:

@@ -18,7 +18,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, FORWARD_SUFFIX, PLACEHOLDER, PLACEHOLDER_BATCHED,
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
+                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PLACEHOLDER_BATCHED,
                       PREPROCESS, PREPROCESS_BATCHED)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +133,7 @@ def _ragged(tensors):
 
 # Optional everywhere: absent means every IMAGES entry is a still image; else one entry per media,
 # 0 for an image and t (1..4) for a video chunk of t consecutive IMAGES entries.
-MEDIA_FRAMES = {"name": "MEDIA_FRAMES", "data_type": "TYPE_INT64", "dims": [-1], "optional": True}
+MEDIA_FRAMES_SPEC = {"name": MEDIA_FRAMES, "data_type": "TYPE_INT64", "dims": [-1], "optional": True}
 
 
 def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
@@ -163,17 +164,17 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     p = dep.vision.encoder.patch_size
     hidden = dep.vision.encoder.text_hidden_size
     fp = dep.float_type
-    counts, grids = "IMAGE_TOKEN_COUNTS", "GRID_THWS"
+    counts, grids = IMAGE_TOKEN_COUNTS, GRID_THWS
     placeholder_io = (
-        [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
-        [_tensor("EXPANDED_IDS", "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1]),
+        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
+        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1]),
          _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
     )
     preprocess_io = (
-        [_tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES,
+        [_tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC,
          # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
          _tensor(counts, "TYPE_INT64", [-1], optional=True)],
-        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
+        [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
          _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3])],
     )
     dicts = {}
@@ -185,8 +186,8 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
                                     max_batch=batch)
     dicts[ENCODER] = _python_model(
         dep, ENCODER,
-        [_tensor("PIXEL_VALUES", fp, [-1, 3, p, p]), _tensor("GRID_THWS", "TYPE_INT64", [-1, 3])],
-        [_tensor("IMAGE_EMBEDS", fp, [-1, hidden])],
+        [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3])],
+        [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
     if dep.device == "gpu":
@@ -202,15 +203,15 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         # (Triton prunes the steps nothing requested; validate.check_ensemble enforces the rule).
         return [
             {"model_name": placeholder, "model_version": -1,
-             "input_map": {"INPUT_IDS": "INPUT_IDS", "IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES"},
-             "output_map": {"EXPANDED_IDS": "EXPANDED_IDS", counts: counts,
+             "input_map": {INPUT_IDS: INPUT_IDS, IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES},
+             "output_map": {EXPANDED_IDS: EXPANDED_IDS, counts: counts,
                             counts + FORWARD_SUFFIX: "image_token_counts"}},
             {"model_name": preprocess, "model_version": -1,
-             "input_map": {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", counts: "image_token_counts"},
-             "output_map": {"PIXEL_VALUES": "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws"}},
+             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, counts: "image_token_counts"},
+             "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws"}},
             {"model_name": ENCODER, "model_version": -1,
-             "input_map": {"PIXEL_VALUES": "pixel_values", grids: "grid_thws"},
-             "output_map": {"IMAGE_EMBEDS": "IMAGE_EMBEDS"}},
+             "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws"},
+             "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS}},
         ]
 
     for name, batch, parts in ((ENSEMBLE, 0, (PLACEHOLDER, PREPROCESS)),
@@ -219,12 +220,12 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
             "name": name,
             "platform": "ensemble",
             "max_batch_size": batch,
-            "input": [_tensor("INPUT_IDS", "TYPE_INT64", [-1]), _tensor("IMAGES", "TYPE_STRING", [-1]), MEDIA_FRAMES],
+            "input": [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
             "output": [
-                _tensor("EXPANDED_IDS", "TYPE_INT64", [-1]),
-                _tensor("IMAGE_EMBEDS", fp, [-1, hidden]),
-                _tensor("GRID_THWS", "TYPE_INT64", [-1, 3]),
-                _tensor("IMAGE_TOKEN_COUNTS", "TYPE_INT64", [-1]),
+                _tensor(EXPANDED_IDS, "TYPE_INT64", [-1]),
+                _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
+                _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]),
+                _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1]),
             ],
             "ensemble_scheduling": {"step": steps(*parts)},
         }

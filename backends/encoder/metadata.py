@@ -89,7 +89,7 @@ def check_grids(cfg: EncoderConfig, grids: Sequence[tuple[int, int, int]]) -> No
             raise ValueError(f"media with t={t} frames; the encoder takes 1..{cfg.init_pos_emb_time} frames per chunk")
         if h % kh or w % kw:
             raise ValueError(f"grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
-        if not (1 <= h <= cfg.rope_max_height and 1 <= w <= cfg.rope_max_width):
+        if h > cfg.rope_max_height or w > cfg.rope_max_width:
             raise ValueError(f"patch grid {h}x{w} exceeds the RoPE table {cfg.rope_max_height}x{cfg.rope_max_width}")
 
 

@@ -23,7 +23,6 @@ from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.cache import TensorCache
 from backends.encoder.metadata import ForwardMetadata, build_metadata, check_pixels
 from backends.kernels import rope as fused_rope
-from backends.kernels.rope import apply_rope_portable
 
 
 def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
@@ -50,7 +49,7 @@ class Rope:
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prepared is not None:
             return fused_rope.apply_rope_inplace(q, k, self.prepared)
-        return apply_rope_portable(q, k, self.freqs)
+        return fused_rope.apply_rope_portable(q, k, self.freqs)
 
 
 class PosEmbDivided(nn.Module):

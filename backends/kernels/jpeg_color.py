@@ -137,10 +137,6 @@ if triton is not None:
         tl.store(out + 2, tl.minimum(tl.maximum(b, 0), 255).to(tl.uint8), mask=mask)
 
 
-def can_use(y: torch.Tensor) -> bool:
-    return triton is not None and y.is_cuda
-
-
 def ycc_to_rgb(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor, fx: int, fy: int,
                out: torch.Tensor | None = None, block: int = 256) -> torch.Tensor:
     """The Triton kernel: same arguments and result as `ycc_to_rgb_reference`. Planes may be row-strided

@@ -26,7 +26,7 @@ from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegErro
 
 log = logging.getLogger("kimi_vision.jpeg")
 
-_FACTORS = ((1, 1), (2, 1), (2, 2), (1, 2))
+_FACTORS = tuple(jpeg_color.SAMPLING)  # the samplings the colour kernel reproduces
 
 
 def pillow_reason(img: Image.Image) -> str | None:
@@ -134,7 +134,7 @@ class GpuJpegDecoder:
         no host sync), None for those it refuses (decode them with Pillow). `images` are the opened
         handles: their header sizes must agree with nvJPEG's."""
         infos: list[JpegInfo | None] = []
-        for blob, img in zip(blobs, images):
+        for k, (blob, img) in enumerate(zip(blobs, images)):
             if not bytes(blob[-2:]) == b"\xff\xd9":
                 # No end-of-image marker right at the end: a truncated file, which Pillow refuses and the
                 # hardware decoder might fill in; or trailing bytes after it. Pillow decides either way.
@@ -149,6 +149,7 @@ class GpuJpegDecoder:
             if why is None and (info.width, info.height) != img.size:
                 why = f"nvJPEG reads {info.width}x{info.height}, Pillow {img.size[0]}x{img.size[1]}"
             if why is not None:
+                log.debug("image %d of the batch goes to Pillow: %s", k, why)
                 self.stats[("pillow", "nvjpeg_refused")] += 1
                 infos.append(None)
             else:

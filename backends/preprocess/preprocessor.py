@@ -59,7 +59,8 @@ _POOL_LOCK = threading.Lock()
 
 
 class Preprocessor:
-    """Stateful only in its normalization table (built once, kept on the target device)."""
+    """Holds what is built once: the normalization table on the target device, and on a GPU the exact
+    JPEG decoder (its nvJPEG handle and its decode counters)."""
 
     _pool: ThreadPoolExecutor | None = None
 

@@ -2,8 +2,8 @@
 
 Each adapter: read settings from the model config, build its step once in `initialize`, and in
 `execute` return exactly one response per request - an error response for a bad request, so the
-rest of the batch is unaffected. Tensors cross the boundary through DLPack (zero-copy, GPU too);
-empty tensors go through numpy because DLPack export of empty tensors fails in the 2.51 stub.
+rest of the batch is unaffected. Device tensors cross the boundary through DLPack (zero-copy);
+host numpy arrays, and empty tensors (whose DLPack export fails in the 2.51 stub), through numpy.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ class PreprocessModel(_Adapter):
         before = dict(self.step.pre.decode_stats)
         try:
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
-            # cancel) stops the rest of the work.
+            # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
+            # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
             out = self.step(images, inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
                             inputs.numpy("MEDIA_FRAMES", optional=True),
                             cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S))
