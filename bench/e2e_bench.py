@@ -25,19 +25,16 @@ its row and the others still run; (d) is skipped with a note when transformers l
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import traceback
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from backends.config import load_checkpoint_config
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
-from backends.preprocess.resize_rule import navit_resize
 from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import output_byte_sizes
 from oracles.checkpoint_processor import reference_pixels
@@ -98,8 +95,9 @@ class Reference:
         """(tokens, text_hidden) in `dtype` on `device`, computed when this returns."""
         patches, grids = [], []
         for blob in images:
-            patches.append(reference_pixels(blob, self.media)[0])
-            grids.append(navit_resize(*Image.open(io.BytesIO(blob)).size, self.media).grid_thw)
+            pixels, grid = reference_pixels(blob, self.media)
+            patches.append(pixels)
+            grids.append(grid)
         pixels = torch.from_numpy(np.concatenate(patches)).to(self.device, self.dtype)
         with torch.inference_mode():
             per_image = self.model.get_image_features(pixels, image_grid_thw=torch.tensor(grids, device=self.device))

@@ -38,34 +38,25 @@ def graph_time_ms(fn, *, iters: int = 10) -> float:
     return cuda_time_ms(graph.replay, iters=iters)
 
 
-def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
-    """Median wall-clock milliseconds (host work included), synchronizing the GPU if present."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def timed(fn, iters: int, warmup: int = 2) -> list[float]:
-    """Wall-clock milliseconds of fn() per run; the GPU is synchronized before and after each run."""
+    """Wall-clock milliseconds of fn() per run (host work included); a GPU, if present, is synchronized
+    before and after each run."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
+    """Median of `timed`."""
+    return statistics.median(timed(fn, iters, warmup))
 
 
 def matmul_peak_tflops(n: int = 8192) -> float:
@@ -93,5 +84,6 @@ def write_report(out: Path, name: str, lines: list[str], results: dict) -> None:
     """Print the markdown table and keep it (name.md) with the raw numbers (name.json) under out/."""
     text = "\n".join(lines) + "\n"
     print(text)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))

@@ -244,7 +244,7 @@ def main(argv=None) -> int:
             with open(csv_path) as f:
                 rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
-    encoder_line = encoder_alone_line(args.checkpoint, images, args) if args.encoder_alone and not served else ""
+    encoder_line = encoder_alone_line(dep, images) if args.encoder_alone and not served else ""
 
     lines = [f"$ python -m bench.perf {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
              f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "
@@ -289,7 +289,7 @@ def encoder_counts(url: str) -> tuple[int, int] | None:
         client.close()
 
 
-def encoder_alone_line(checkpoint: str, images: list[bytes], args) -> str:
+def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
     """The encoder alone in this process, as the server runs it (bf16, CUDA graphs), on the request's
     pixels: the images/s it allows, to compare the served images/s with in the same run."""
     import statistics
@@ -302,13 +302,13 @@ def encoder_alone_line(checkpoint: str, images: list[bytes], args) -> str:
     from backends.weights.load import load_model
     from bench.gpu_timing import timed
 
-    model, cfg = load_model(checkpoint, "cuda", torch.bfloat16)
-    encoder = GraphedEncoder(model, max_graphs=Deployment().cuda_graphs)
+    model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)
+    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
     pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(images)
     ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
     # What moonvit3d runs under load: a full dynamic batch in one forward (eager once it passes the
     # graphs' patch limit), per request.
-    full = Deployment().max_batch
+    full = dep.max_batch
     batch_pixels, batch_grids = torch.cat([pixels] * full), np.concatenate([np.asarray(grids)] * full)
     batch_ms = statistics.median(timed(lambda: encoder(batch_pixels, batch_grids), 5, warmup=2)) / full
     return (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
