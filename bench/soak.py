@@ -33,6 +33,7 @@ import numpy as np
 
 from backends.deploy.launcher import BUILD, deployment_server, resolve_device
 from backends.deploy.repository import Deployment
+from backends.deploy.supervisor import processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
@@ -73,13 +74,8 @@ def request_mix(seed: int = 0):
 
 def process_tree(pid: int) -> list[int]:
     children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-            except (OSError, ValueError):
-                pass
+    for child, _, ppid, _, _ in processes():
+        children.setdefault(ppid, []).append(child)
     out, todo = [], [pid]
     while todo:
         p = todo.pop()

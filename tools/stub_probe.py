@@ -2,7 +2,7 @@
 
 The `echo` model reports, for a BYTES input, each element's length and first byte, and returns a FP32
 output built from numpy - the two things the 2.51 stub was seen to get wrong on the H200 host (BYTES
-inputs read as 0xA9 filler, numpy outputs arriving empty). It also reports the numpy the stub
+inputs read as filler bytes, numpy outputs arriving empty). It also reports the numpy the stub
 imported. Run it with the stub's extra path given by KIMI_STUB_SITE (e.g. a folder holding numpy<2):
 
     KIMI_STUB_SITE=/tmp/np1 python -m tools.stub_probe

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
-from backends.deploy.supervisor import Supervisor
+from backends.deploy.supervisor import Supervisor, processes
 
 BUILD = REPO_ROOT / "build"
 STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (stub_env.prepare_stub_env)
@@ -110,13 +110,19 @@ def _libpython_dir(dest: Path) -> str:
         return ""
     dest = dest / hashlib.sha1(str(lib).encode()).hexdigest()[:12]  # one folder per interpreter
     dest.mkdir(parents=True, exist_ok=True)
-    link = dest / name
-    if not (link.is_symlink() and link.resolve() == lib.resolve()):
-        tmp = dest / f".{name}.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(lib)
-        tmp.replace(link)  # atomic: servers starting side by side never see a missing link
+    _link(dest / name, lib)
     return str(dest)
+
+
+def _link(link: Path, target: Path) -> None:
+    """Point `link` at `target`, replacing what is there atomically: servers starting side by side
+    (tests, a restart) never see the link missing or fail on one another's."""
+    if link.is_symlink() and link.resolve() == target.resolve():
+        return
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    tmp.replace(link)
 
 
 def _embedded_backend_dir(root: Path, dest: Path) -> Path:
@@ -129,10 +135,7 @@ def _embedded_backend_dir(root: Path, dest: Path) -> Path:
     py.mkdir(parents=True, exist_ok=True)
     for src in (root / "backends" / "python" / "libtriton_python.so",
                 root / "backends" / "python" / "triton_python_backend_utils.py", stub):
-        link = py / src.name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(src)
+        _link(py / src.name, src)
     return dest.resolve()
 
 
@@ -369,15 +372,8 @@ class TritonServer:
 
 
 def _live_in_group(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+    """Whether a process of group `pgid` is still running (zombies do not count)."""
+    return any(pgrp == pgid and state != "Z" for _, state, _, pgrp, _ in processes())
 
 
 def deployment_server(dep: Deployment, name: str, *, repository: Path | None = None, ports: Ports | None = None,

@@ -93,13 +93,17 @@ class Deployment:
         preprocessed it, and in the worst case the whole queue waits on one GPU."""
         if self.device != "gpu":
             return None
-        enc = self.vision.encoder
-        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 2
-        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 2
+        pixels, embeds = self._largest_tensors_bytes(2)  # BF16
         grids = self.limits.max_images * 3 * 8
         in_flight = self.encoder_instances * self.max_batch + self.max_queue + self.preprocess_instances
         return in_flight * (pixels + embeds + grids)
 
+    def _largest_tensors_bytes(self, bytes_per_value: int) -> tuple[int, int]:
+        """Bytes of one request's PIXEL_VALUES and IMAGE_EMBEDS at `max_patches`."""
+        enc = self.vision.encoder
+        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * bytes_per_value
+        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * bytes_per_value
+        return pixels, embeds
 
     def shm_ceiling_bytes(self) -> int:
         """The most /dev/shm the Python backend can come to hold under the limits.
@@ -112,9 +116,7 @@ class Deployment:
         so its regions hold a few MiB. Encoded image bytes come on top (they are the request's own)."""
         if self.device == "gpu":
             return 0
-        enc = self.vision.encoder
-        pixels = self.limits.max_patches * 3 * enc.patch_size**2 * 4
-        embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * 4
+        pixels, embeds = self._largest_tensors_bytes(4)  # FP32
         return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds)
 
 

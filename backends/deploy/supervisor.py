@@ -72,9 +72,9 @@ def dead_stub_pids(server_pid: int) -> list[int]:
     return [pid for pid, state, comm in _children(server_pid) if state == "Z" and STUB_BINARY.startswith(comm)]
 
 
-def _children(parent: int) -> list[tuple[int, str, str]]:
-    """(pid, state, comm) of `parent`'s child processes, from /proc."""
-    out = []
+def processes():
+    """(pid, state, ppid, pgrp, comm) of every process, from /proc/<pid>/stat (processes that exit
+    while being read are skipped)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -83,10 +83,13 @@ def _children(parent: int) -> list[tuple[int, str, str]]:
         except OSError:
             continue
         comm = stat[stat.index("(") + 1: stat.rindex(")")]
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == parent:
-            out.append((int(entry.name), state, comm))
-    return out
+        state, ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        yield int(entry.name), state, int(ppid), int(pgrp), comm
+
+
+def _children(parent: int) -> list[tuple[int, str, str]]:
+    """(pid, state, comm) of `parent`'s child processes."""
+    return [(pid, state, comm) for pid, state, ppid, _, comm in processes() if ppid == parent]
 
 
 def reap_orphans(server_pid: int) -> None:

@@ -21,4 +21,4 @@ def load_model(checkpoint: str, device: str = "cpu", dtype: torch.dtype | None =
     return load_vision_model(checkpoint, device=device, dtype=dtype, config=config)
 
 
-__all__ = ["load_model", "VisionConfig"]
+__all__ = ["load_model"]
