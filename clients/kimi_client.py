@@ -25,6 +25,8 @@ from contract import MEDIA_PAD, OUTPUTS  # noqa: F401 - MEDIA_PAD re-exported fo
 
 MODEL = contract.ENSEMBLE
 BATCHED_MODEL = contract.BATCHED_ENSEMBLE
+# Outputs that need the images' headers only (kimi_placeholder answers them without decoding).
+HEADER_OUTPUTS = (contract.EXPANDED_IDS, contract.IMAGE_TOKEN_COUNTS)
 
 
 @dataclass
@@ -106,7 +108,8 @@ class KimiVisionClient:
         media_frames: None when every image is a still image; else one entry per media in prompt
         order, 0 for an image and t (1..4) for a video chunk whose t frames are the next t images.
         outputs: the ensemble outputs to ask for (any non-empty subset of contract.OUTPUTS); the
-        others come back as None and the server skips the steps only they need.
+        others come back as None and the server skips the steps only they need. Ids and counts alone
+        are asked of kimi_placeholder, which reads only the images' headers.
         output_capacity bounds IMAGE_EMBEDS in the shared-memory modes (256 MiB: ~9k FP32 rows of the
         real model's 7168; raise it for larger requests). timeout_s applies to gRPC (a deadline: the
         server drops the request's remaining work); an HTTP client's timeouts are set on
@@ -166,7 +169,14 @@ class KimiVisionClient:
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
         if self.headers:
             kwargs["headers"] = self.headers
-        return self.client.infer(self.model, inputs, outputs=outputs, **kwargs)
+        return self.client.infer(self._model_for([o.name() for o in outputs]), inputs, outputs=outputs, **kwargs)
+
+    def _model_for(self, wanted: Sequence[str]) -> str:
+        """Ids and counts alone come from kimi_placeholder, which reads only the images' headers; in the
+        ensemble they come after preprocessing (which checks the prompt, then decodes)."""
+        if self.model in (MODEL, BATCHED_MODEL) and set(wanted) <= set(HEADER_OUTPUTS):
+            return contract.PLACEHOLDER_BATCHED if self.model == BATCHED_MODEL else contract.PLACEHOLDER
+        return self.model
 
     def _requested(self, wanted):
         return [self.tc.InferRequestedOutput(n) for n in wanted]

@@ -168,16 +168,21 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     fp = dep.float_type
     counts, grids = IMAGE_TOKEN_COUNTS, GRID_THWS
     placeholder_io = (
-        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
-        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1]),
-         _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
+        # IMAGES or IMAGE_TOKEN_COUNTS: the ensemble sends the counts kimi_preprocess found; a direct
+        # caller may send the images instead (their headers are read).
+        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1], optional=True), MEDIA_FRAMES_SPEC,
+         _tensor(counts, "TYPE_INT64", [-1], optional=True)],
+        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1])],
     )
     preprocess_io = (
         [_tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC,
-         # Optional: in the ensemble it gates preprocessing on a passed 1:1 check and is cross-checked.
+         # Optional: the prompt, checked for the 1:1 rule before any image is read (the ensemble sends it).
+         _tensor(INPUT_IDS, "TYPE_INT64", [-1], optional=True),
+         # Optional: counts a direct caller already has, cross-checked.
          _tensor(counts, "TYPE_INT64", [-1], optional=True)],
         [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
-         _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3])],
+         _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3]), _tensor(counts, "TYPE_INT64", [-1]),
+         _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
     )
     dicts = {}
     for name, batch in ((PLACEHOLDER, 0), (PLACEHOLDER_BATCHED, dep.max_batch)):
@@ -200,20 +205,24 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
                                           "default_queue_policy": {"max_queue_size": dep.max_queue}}
 
     def steps(placeholder: str, preprocess: str) -> list[dict]:
+        # Preprocessing first: it checks the prompt's 1:1 rule before reading any image, so a bad request
+        # fails there alone. Then the encoder and the id expansion side by side: the expansion only
+        # multiplies placeholders by counts already checked, so it cannot fail with the encoder
+        # (tritonserver 2.51 never answers a request whose parallel steps both fail).
         # No ensemble output feeds a later step: a step that needs one reads its _FORWARD copy (an
         # internal tensor in lower case). With that, every subset of the outputs can be requested
         # (Triton prunes the steps nothing requested; validate.check_ensemble enforces the rule).
         return [
-            {"model_name": placeholder, "model_version": -1,
-             "input_map": {INPUT_IDS: INPUT_IDS, IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES},
-             "output_map": {EXPANDED_IDS: EXPANDED_IDS, counts: counts,
-                            counts + FORWARD_SUFFIX: "image_token_counts"}},
             {"model_name": preprocess, "model_version": -1,
-             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, counts: "image_token_counts"},
-             "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws"}},
+             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, INPUT_IDS: INPUT_IDS},
+             "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws",
+                            counts: counts, counts + FORWARD_SUFFIX: "image_token_counts"}},
             {"model_name": ENCODER, "model_version": -1,
              "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws"},
              "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS}},
+            {"model_name": placeholder, "model_version": -1,
+             "input_map": {INPUT_IDS: INPUT_IDS, counts: "image_token_counts"},
+             "output_map": {EXPANDED_IDS: EXPANDED_IDS}},
         ]
 
     for name, batch, parts in ((ENSEMBLE, 0, (PLACEHOLDER, PREPROCESS)),

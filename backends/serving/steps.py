@@ -70,27 +70,55 @@ class ModelSettings:
                    cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
 
 
-class PlaceholderStep:
-    """INPUT_IDS + IMAGES (+ MEDIA_FRAMES) -> EXPANDED_IDS + IMAGE_TOKEN_COUNTS. Reads headers only.
+def check_prompt(input_ids, cfg: VisionConfig, num_media: int, media_frames=None) -> np.ndarray:
+    """The 1:1 rule (one `<|media_pad|>` per media) from the prompt and the media count alone, before
+    any image byte is read; returns the ids as int64. The same check and wording in both steps."""
+    what = "image(s)" if media_frames is None else "media (images or video chunks)"
+    return check_one_placeholder_per_image(input_ids, cfg.tokens.media_pad, num_media, what=what)
 
-    The 1:1 check (one placeholder per media) runs first, before any image byte is looked at; when
-    it fails nothing downstream runs, because kimi_preprocess waits on IMAGE_TOKEN_COUNTS. (Running
-    the two side by side would save this step's time, but tritonserver 2.51 never answers a request
-    whose parallel steps both fail: docs/triton_runtime.md#known-server-limitations.)
+
+def _num_media(num_images: int, media_frames, cfg: VisionConfig) -> int:
+    return len(split_media(num_images, media_frames, cfg.media))
+
+
+class PlaceholderStep:
+    """INPUT_IDS + (IMAGE_TOKEN_COUNTS, or IMAGES [+ MEDIA_FRAMES]) -> EXPANDED_IDS + IMAGE_TOKEN_COUNTS.
+
+    In the ensemble it gets IMAGE_TOKEN_COUNTS from kimi_preprocess, which has already checked the
+    prompt (check_prompt), and runs beside the encoder. Called on its own with IMAGES it reads only
+    their headers: the 1:1 check first, then the sizes, the plans and the counts.
     """
 
     def __init__(self, cfg: VisionConfig, limits: Limits = Limits()):
         self.cfg, self.limits = cfg, limits
 
-    def __call__(self, input_ids: np.ndarray, images: Sequence[bytes], media_frames=None) -> dict[str, np.ndarray]:
+    def __call__(self, input_ids: np.ndarray, images: Sequence[bytes] | None = None, media_frames=None,
+                 token_counts=None) -> dict[str, np.ndarray]:
         pad = self.cfg.tokens.media_pad
-        num_media = len(split_media(len(images), media_frames, self.cfg.media))
-        what = "image(s)" if media_frames is None else "media (images or video chunks)"
-        ids = check_one_placeholder_per_image(input_ids, pad, num_media, what=what)
-        check_image_count(len(images), self.limits)
-        sizes = [open_image(b, i, self.limits.max_image_pixels).size for i, b in enumerate(images)]
-        plans = plan_media(sizes, self.cfg.media, self.limits, media_frames)
-        counts = [m.plan.num_tokens for m in plans]
+        if token_counts is not None:
+            if images is not None:
+                raise RequestError("send IMAGES or IMAGE_TOKEN_COUNTS, not both: the counts are the images' "
+                                   "token counts", "bad_tensor")
+            counts = np.asarray(token_counts).reshape(-1)
+            if counts.size and not np.issubdtype(counts.dtype, np.integer):
+                raise RequestError(f"IMAGE_TOKEN_COUNTS must be integers, got {counts.dtype}", "bad_counts")
+            if media_frames is not None and np.asarray(media_frames).size != counts.size:
+                raise RequestError(f"MEDIA_FRAMES names {np.asarray(media_frames).size} media but IMAGE_TOKEN_COUNTS "
+                                   f"has {counts.size} counts", "media_frames")
+            # No image may yield more tokens than max_patches allows the whole request: bounds the output.
+            counts = [int(c) for c in counts]  # Python ints: no overflow in the sum below
+            most = self.limits.max_patches // self.cfg.media.merge_kernel_size ** 2
+            if sum(max(c, 0) for c in counts) > most:
+                raise RequestError(f"IMAGE_TOKEN_COUNTS adds up to {sum(max(c, 0) for c in counts)} tokens, more than "
+                                   f"max_patches={self.limits.max_patches} allows ({most})", "bad_counts")
+            ids = check_prompt(input_ids, self.cfg, len(counts), media_frames)
+        else:
+            if images is None:
+                raise RequestError("missing input: IMAGES (or IMAGE_TOKEN_COUNTS)", "bad_tensor")
+            ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
+            check_image_count(len(images), self.limits)  # before any header is read
+            sizes = [open_image(b, i, self.limits.max_image_pixels).size for i, b in enumerate(images)]
+            counts = [m.plan.num_tokens for m in plan_media(sizes, self.cfg.media, self.limits, media_frames)]
         return {
             "EXPANDED_IDS": expand_placeholders(ids, pad, counts),
             "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64),
@@ -98,21 +126,32 @@ class PlaceholderStep:
 
 
 class PreprocessStep:
-    """IMAGES (+ MEDIA_FRAMES, + IMAGE_TOKEN_COUNTS to cross-check) -> PIXEL_VALUES + GRID_THWS."""
+    """IMAGES (+ MEDIA_FRAMES, + INPUT_IDS to check first, + IMAGE_TOKEN_COUNTS to cross-check)
+    -> PIXEL_VALUES + GRID_THWS + IMAGE_TOKEN_COUNTS.
+
+    The ensemble's first step: given INPUT_IDS it refuses a prompt that breaks the 1:1 rule before
+    any image byte is read, so that a bad request fails here, in one step, and kimi_placeholder
+    (which then only expands ids) can run beside the encoder without ever failing with it: tritonserver
+    2.51 never answers a request whose parallel steps both fail
+    (docs/triton_runtime.md#known-server-limitations).
+    """
 
     def __init__(self, cfg: VisionConfig, limits: Limits = Limits(), device: str = "cpu",
                  out_dtype: torch.dtype = torch.float32):
+        self.cfg = cfg
         self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
 
     def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None,
-                 cancelled=None):
+                 cancelled=None, input_ids=None):
+        if input_ids is not None:
+            check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
         pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
-        if expected_counts is not None:
-            counts = [m.plan.num_tokens for m in plans]
-            if np.asarray(expected_counts).reshape(-1).tolist() != counts:
-                raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
-                                   f"the images' {counts}", "bad_counts")
-        return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws}
+        counts = [m.plan.num_tokens for m in plans]
+        if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:
+            raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
+                               f"the images' {counts}", "bad_counts")
+        return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws,
+                "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64)}
 
 
 @dataclass

@@ -85,8 +85,13 @@ class _Inputs:
         array = tensor.as_numpy() if tensor.is_cpu() else from_dlpack(tensor.to_dlpack()).cpu().numpy()
         return array[0] if self.batched else array
 
-    def bytes_list(self, name: str) -> list[bytes]:
-        return _bytes_list(self._get(name))
+    def bytes_list(self, name: str, optional: bool = False) -> list[bytes] | None:
+        tensor = self._get(name)
+        if tensor is None:
+            if optional:
+                return None
+            raise RequestError(f"missing input {name}", "bad_tensor")
+        return _bytes_list(tensor)
 
     def torch(self, name: str) -> torch.Tensor:
         t = _to_torch(self._get(name))
@@ -187,7 +192,9 @@ class PlaceholderModel(_Adapter):
         self.step = PlaceholderStep(self.settings.vision, self.settings.limits)
 
     def respond(self, inputs: _Inputs):
-        return self.step(inputs.numpy("INPUT_IDS"), inputs.bytes_list("IMAGES"), inputs.numpy("MEDIA_FRAMES", optional=True))
+        return self.step(inputs.numpy("INPUT_IDS"), inputs.bytes_list("IMAGES", optional=True),
+                         inputs.numpy("MEDIA_FRAMES", optional=True),
+                         token_counts=inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True))
 
 
 def _out_dtype(config: dict, tensor: str) -> torch.dtype:
@@ -213,7 +220,8 @@ class PreprocessModel(_Adapter):
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
             out = self.step(images, inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
                             inputs.numpy("MEDIA_FRAMES", optional=True),
-                            cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S))
+                            cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
+                            input_ids=inputs.numpy("INPUT_IDS", optional=True))
         finally:
             after = self.step.pre.decode_stats
             self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})

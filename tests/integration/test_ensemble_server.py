@@ -80,14 +80,44 @@ def test_system_shared_memory_gives_the_same_answer(server, reference):
 def test_placeholder_count_mismatch_is_refused_before_the_encoder(server, protocol):
     url = server.grpc_url if protocol == "grpc" else server.http_url
     client = KimiVisionClient(url, protocol=protocol)
-    before = stats_count(server, "moonvit3d"), stats_count(server, "kimi_preprocess")
+    models = ("moonvit3d", "kimi_placeholder")  # kimi_preprocess refuses it (tests/unit: before reading an image)
+    before = [stats_count(server, m) for m in models]
     ids = np.array([1, MEDIA_PAD, 2, MEDIA_PAD, 3], np.int64)  # two placeholders, one image
     with pytest.raises(InferenceServerException) as err:
         client.infer(ids, images()[:1])
     client.close()
     assert "has 2 <|media_pad|> placeholder token(s)" in str(err.value)
     assert "but 1 image(s)" in str(err.value)
-    assert (stats_count(server, "moonvit3d"), stats_count(server, "kimi_preprocess")) == before
+    assert [stats_count(server, m) for m in models] == before
+
+
+def test_bad_prompt_and_bad_image_together_get_one_clear_error(server):
+    """Both wrong at once: with the encoder and the expansion side by side, only the first step may
+    refuse a request (tritonserver 2.51 never answers one whose parallel steps both fail)."""
+    client = KimiVisionClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="has 0 <|media_pad|> placeholder token.s. .id 163605. but 1 image"):
+        client.infer(np.array([1, 2, 3], np.int64), [b"not an image at all"], timeout_s=60)
+    client.close()
+
+
+def test_placeholder_is_usable_on_its_own_with_images_or_counts(server, reference):
+    blobs, ids, (counts, expanded, _, _) = reference
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    ids_in = tensor("INPUT_IDS", np.asarray(ids, np.int64), "INT64")
+    from_images = c.infer("kimi_placeholder", [ids_in, tensor("IMAGES", np.array(blobs, dtype=object), "BYTES")])
+    from_counts = c.infer("kimi_placeholder", [ids_in, tensor("IMAGE_TOKEN_COUNTS", np.array(counts, np.int64), "INT64")])
+    with pytest.raises(InferenceServerException, match="has 3 <|media_pad|> placeholder token.s. .id 163605. but 2 image"):
+        c.infer("kimi_placeholder", [ids_in, tensor("IMAGE_TOKEN_COUNTS", np.array(counts[:2], np.int64), "INT64")])
+    c.close()
+    for r in (from_images, from_counts):
+        assert r.as_numpy("EXPANDED_IDS").tolist() == expanded
+        assert r.as_numpy("IMAGE_TOKEN_COUNTS").tolist() == counts
 
 
 def test_text_only_request_passes_ids_through(server):
@@ -146,7 +176,7 @@ def test_failures_are_counted_in_our_metric(server):
     client.close()
     text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5).read().decode()
     lines = [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
-    assert any('model="kimi_placeholder"' in l and 'kind="invalid_input"' in l for l in lines), lines
+    assert any('model="kimi_preprocess"' in l and 'kind="invalid_input"' in l for l in lines), lines
 
 
 def test_preprocess_is_usable_on_its_own(server):

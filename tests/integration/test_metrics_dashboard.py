@@ -34,7 +34,7 @@ def test_our_metrics_count_images_patches_rejections_and_step_times(server):
         text = r.read().decode()
     assert re.search(r'kimi_vision_images_total\{model="kimi_preprocess"\} [1-9]', text)
     assert re.search(r'kimi_vision_patches_total\{model="kimi_preprocess"\} [1-9]', text)
-    assert re.search(r'kimi_vision_rejections_total\{model="kimi_placeholder",reason="placeholder_mismatch"\} [1-9]', text)
+    assert re.search(r'kimi_vision_rejections_total\{model="kimi_preprocess",reason="placeholder_mismatch"\} [1-9]', text)
     assert re.search(r'kimi_vision_step_seconds_count\{model="moonvit3d"\} [1-9]', text)
     assert re.search(r'kimi_vision_decodes_total\{model="kimi_preprocess",path="pillow",reason="no_gpu"\} [1-9]', text)
 

@@ -45,6 +45,46 @@ def test_every_subset_of_the_outputs(server, request_and_full_answer, protocol, 
         client.close()
 
 
+def _inference_count(server, model: str) -> int:
+    import tritonclient.grpc as grpcclient
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    c.close()
+    return int(s.get("inference_count", 0))
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
+def test_ids_and_counts_alone_read_only_headers(server, request_and_full_answer, batched):
+    """The client asks kimi_placeholder for them (headers only); the ensemble answers the same subset
+    too, after preprocessing."""
+    import tritonclient.grpc as grpcclient
+
+    ids, blobs, full = request_and_full_answer
+    preprocess = "kimi_preprocess_batched" if batched else "kimi_preprocess"
+    client = KimiVisionClient(server.grpc_url, batched=batched)
+    before = _inference_count(server, preprocess)
+    got = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS"])
+    client.close()
+    assert _inference_count(server, preprocess) == before, "ids and counts alone decoded the images"
+    np.testing.assert_array_equal(got.expanded_ids, full.expanded_ids)
+    np.testing.assert_array_equal(got.token_counts, full.token_counts)
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    lead = [1] if batched else []
+    a = grpcclient.InferInput("INPUT_IDS", lead + [len(ids)], "INT64")
+    a.set_data_from_numpy(ids[None] if batched else ids)
+    b = grpcclient.InferInput("IMAGES", lead + [len(blobs)], "BYTES")
+    images = np.array(blobs, dtype=object)
+    b.set_data_from_numpy(images[None] if batched else images)
+    for name, field in (("EXPANDED_IDS", "expanded_ids"), ("IMAGE_TOKEN_COUNTS", "token_counts")):
+        r = c.infer("kimi_k25_vision_batched" if batched else "kimi_k25_vision", [a, b],
+                    outputs=[grpcclient.InferRequestedOutput(name)])
+        value = r.as_numpy(name)
+        np.testing.assert_array_equal(value[0] if batched else value, getattr(full, field))
+    c.close()
+
+
 def _registered(client: KimiVisionClient) -> list:
     status = client.client.get_system_shared_memory_status()
     if isinstance(status, list):  # HTTP: a list of regions

@@ -100,3 +100,49 @@ def test_placeholder_step_counts_one_placeholder_per_media():
     assert out["EXPANDED_IDS"].tolist() == expand_by_loop([1, PAD, 2, PAD, 3], PAD, counts)
     with pytest.raises(RequestError, match="has 2 <|media_pad|> placeholder token.s. .id 163605. but 3"):
         step(np.array([1, PAD, 2, PAD, 3]), frames + [still])  # without MEDIA_FRAMES: 3 images
+
+
+def test_placeholder_step_from_counts_equals_the_step_from_images():
+    """The ensemble's path (counts from kimi_preprocess) gives what a direct caller's images give."""
+    from backends.config import DEMO_CONFIG
+    from backends.serving.steps import PlaceholderStep, PreprocessStep
+    from clients.samples import encode, photo_like
+
+    images = [encode(photo_like(w, h, seed=w), "PNG") for w, h in ((300, 200), (57, 911), (1200, 900))]
+    ids = np.array([5, PAD, 6, PAD, PAD, 7])
+    step = PlaceholderStep(DEMO_CONFIG)
+    from_images = step(ids, images)
+    counts = PreprocessStep(DEMO_CONFIG)(images, input_ids=ids)["IMAGE_TOKEN_COUNTS"]
+    from_counts = step(ids, token_counts=counts)
+    assert from_counts["IMAGE_TOKEN_COUNTS"].tolist() == from_images["IMAGE_TOKEN_COUNTS"].tolist() == counts.tolist()
+    assert from_counts["EXPANDED_IDS"].tolist() == expand_by_loop(ids.tolist(), PAD, counts.tolist())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"images": [b"x"], "token_counts": np.array([4])}, "send IMAGES or IMAGE_TOKEN_COUNTS, not both"),
+    ({}, "missing input: IMAGES"),
+    ({"token_counts": np.array([4, 4])}, "has 1 <|media_pad|> placeholder token.s. .id 163605. but 2 image"),
+    ({"token_counts": np.array([0])}, "at least one token"),
+    ({"token_counts": np.array([1.5])}, "must be integers"),
+    ({"token_counts": np.array([2 ** 62])}, "adds up to 4611686018427387904 tokens, more than max_patches=131072"),
+    ({"token_counts": np.array([4]), "media_frames": np.array([0, 0])}, "MEDIA_FRAMES names 2 media"),
+])
+def test_placeholder_step_refuses_bad_counts(kwargs, match):
+    from backends.config import DEMO_CONFIG
+    from backends.serving.steps import PlaceholderStep
+
+    with pytest.raises(RequestError, match=match):
+        PlaceholderStep(DEMO_CONFIG)(np.array([1, PAD, 2]), **kwargs)
+
+
+def test_preprocess_step_checks_the_prompt_before_reading_any_image():
+    from backends.config import DEMO_CONFIG
+    from backends.serving.steps import PreprocessStep
+
+    step = PreprocessStep(DEMO_CONFIG)
+    # Garbage bytes: had the step read them first, the error would name the image instead.
+    with pytest.raises(RequestError, match="has 0 <|media_pad|> placeholder token.s. .id 163605. but 1 image") as err:
+        step([b"not an image"], input_ids=np.array([1, 2, 3]))
+    assert err.value.reason == "placeholder_mismatch"
+    with pytest.raises(RequestError, match="image 0: not a decodable image"):
+        step([b"not an image"], input_ids=np.array([1, PAD, 3]))
