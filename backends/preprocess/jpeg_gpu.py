@@ -159,12 +159,40 @@ class GpuJpegDecoder:
         if not todo:
             return out
         planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
-        for k, p in zip(todo, planes):
-            info = infos[k]
-            y = p[0][: info.height, : info.width]
+        for run in _same_shape_runs([infos[k] for k in todo], planes):
+            first = todo[run[0]]
+            info, p = infos[first], planes[run[0]]
             if info.factors is None:  # grayscale: convert("RGB") repeats L
-                out[k] = y.unsqueeze(-1).expand(-1, -1, 3).contiguous()
+                for r in run:
+                    y = planes[r][0][: info.height, : info.width]
+                    out[todo[r]] = y.unsqueeze(-1).expand(-1, -1, 3).contiguous()
             else:
-                out[k] = jpeg_color.ycc_to_rgb(y, p[1], p[2], *info.factors)
-            self.stats[("gpu", "")] += 1
+                # The run's planes lie at a fixed distance from one image to the next in decode_planes'
+                # buffer: one launch converts them all, into one (n, H, W, 3) tensor.
+                n = len(run)
+                step = planes[run[1]][0].data_ptr() - p[0].data_ptr() if n > 1 else 0
+                y, cb, cr = (plane.as_strided((n, *plane.shape), (step, *plane.stride()))
+                             for plane in (p[0][: info.height, : info.width], p[1], p[2]))
+                rgb = jpeg_color.ycc_to_rgb_batch(y, cb, cr, *info.factors)
+                for i, r in enumerate(run):
+                    out[todo[r]] = rgb[i]
+            self.stats[("gpu", "")] += len(run)
         return out
+
+
+def _same_shape_runs(infos: list[JpegInfo], planes: list[list[torch.Tensor]]) -> list[list[int]]:
+    """Consecutive images with the same plane sizes and sampling whose planes sit at one fixed distance
+    from each image to the next (what decode_planes gives them): each run converts in one launch."""
+    runs: list[list[int]] = []
+    for i, info in enumerate(infos):
+        if runs:
+            run = runs[-1]
+            last, before = run[-1], run[-2] if len(run) > 1 else None
+            step = [planes[i][c].data_ptr() - planes[last][c].data_ptr() for c in range(len(planes[i]))]
+            same = (info == infos[last] and len(set(step)) == 1
+                    and (before is None or step[0] == planes[last][0].data_ptr() - planes[before][0].data_ptr()))
+            if same:
+                run.append(i)
+                continue
+        runs.append([i])
+    return runs

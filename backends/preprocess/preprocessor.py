@@ -5,7 +5,9 @@ decoded. On CPU the resize is Pillow itself (the reference). On a GPU, JPEGs tha
 reproduces are decoded there (jpeg_gpu.py: nvJPEG's hardware decoder + libjpeg-turbo's upsampling
 and colour conversion), everything else by Pillow and uploaded; then `bicubic.resize_bicubic`, which
 equals Pillow bit for bit, and one Triton kernel that pads, normalizes and patchifies
-(kernels/patchify.py).
+(kernels/patchify.py). Consecutive JPEGs of one size and sampling (eight 448^2 photos) come out of the
+GPU decoder as one tensor and are patchified in one launch: on the GPU path a request of small images
+costs kernel launches more than kernel time.
 
 Pillow decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead
 of the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
@@ -56,6 +58,24 @@ DECODE_AHEAD = DECODE_THREADS
 # Decoded pixels one batched GPU decode may hold at once (a request may carry 64 huge JPEGs).
 GPU_DECODE_PIXELS = 64 << 20
 _POOL_LOCK = threading.Lock()
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """b is a contiguous frame of a's shape that starts where a ends in memory (the GPU decoder converts
+    a run of same-sized JPEGs into one tensor)."""
+    return (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device  # and one tensor's memory, not two allocations that happen to touch
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+
+
+def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
+    """One frame as it is; a run of back-to-back frames as a (T, H, W, 3) view of the memory they share.
+    Patchified t-major, the run gives each image's patches in order, as patchifying one by one would."""
+    if len(frames) == 1:
+        return frames[0]
+    first = frames[0]
+    return first.as_strided((len(frames), *first.shape), (first.numel(), *first.stride()))
 
 
 class Preprocessor:
@@ -184,14 +204,28 @@ class Preprocessor:
         # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
         with contextlib.closing(self._frames(blobs, images, plans)) as frames_in_order:
-            for m in plans:
+            run: list[torch.Tensor] = []  # still images with one plan, back to back in one tensor
+            for n, m in enumerate(plans):
                 if cancelled is not None and cancelled():
-                    raise RequestCancelled(f"cancelled by the client after {len(chunks)} of {len(plans)} media")
+                    raise RequestCancelled(f"cancelled by the client after {n} of {len(plans)} media")
                 frames = [next(frames_in_order) for _ in m.frames]
-                pixels = frames[0] if len(frames) == 1 and not m.is_video else torch.stack(frames)
-                chunks.append(self._patchify(pixels, m.plan))
+                if not m.is_video and run and plans[n - 1].plan == m.plan and _follows(run[-1], frames[0]):
+                    run.append(frames[0])  # patchified with the run: one launch, same patches in order
+                    continue
+                if run:
+                    chunks.append(self._patchify(_joined(run), plans[n - 1].plan))
+                    run = []
+                if m.is_video:
+                    chunks.append(self._patchify(torch.stack(frames), m.plan))
+                else:
+                    run = [frames[0]]
+            if run:
+                chunks.append(self._patchify(_joined(run), plans[-1].plan))
         p = self.media.patch_size
-        pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
+        if len(chunks) == 1:  # e.g. one image, or one run of same-sized JPEGs: no copy
+            pixel_values = chunks[0]
+        else:
+            pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
         grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
         return pixel_values, grid_thws, plans
 

@@ -10,11 +10,15 @@ them).
 - kimi_vision_decodes_total{model,path,reason}: images decoded on the GPU, or by Pillow and why.
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
+
+They reach the server from a sender thread, at most ModelMetrics.FLUSH_S after the request.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections import defaultdict
 
 from backends.errors import RequestCancelled, RequestError
 
@@ -30,13 +34,27 @@ def failure_kind(exc: Exception) -> str:
 
 
 class ModelMetrics:
-    """One model instance's metrics. Every method swallows metric errors: a metrics hiccup must never
-    cost a response."""
+    """One model instance's metrics, sent to the server off the request path.
 
-    def __init__(self, pb_utils, model: str):
+    Each metric update is a blocking round trip from the stub to the server (pb_utils), several per
+    request: on the request path they delay every response. So the request path only adds to local
+    sums (and notes step times); a daemon thread sends them every FLUSH_S, and `close` sends the rest.
+    The exported values lag by at most about FLUSH_S, and a stub killed outright loses at most that
+    much of its counts (the supervisor counts its death). Every method swallows metric errors: a
+    metrics hiccup must never cost a response."""
+
+    FLUSH_S = 0.2
+
+    def __init__(self, pb_utils, model: str, flush_s: float | None = None):
         self.model = model
+        self.flush_s = self.FLUSH_S if flush_s is None else flush_s
         self._metrics: dict = {}
         self._families = {}
+        self._lock = threading.Lock()
+        self._sums: dict = defaultdict(float)  # (family, labels) -> increment not yet sent
+        self._observed: list[float] = []  # step times not yet sent
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
         kinds = pb_utils.MetricFamily
         for name, kind, description in (
             ("kimi_vision_stub_failures_total", kinds.COUNTER, "Requests our code answered with an error, by model and kind"),
@@ -53,21 +71,13 @@ class ModelMetrics:
             except Exception:  # noqa: BLE001 - metrics are optional
                 log.warning("%s: metric family %s unavailable", model, name, exc_info=True)
 
-    def _metric(self, family: str, **labels):
-        key = (family, tuple(sorted(labels.items())))
-        metric = self._metrics.get(key)
-        if metric is None and family in self._families:
-            extra = {"buckets": STEP_BUCKETS} if family == "kimi_vision_step_seconds" else {}
-            metric = self._metrics[key] = self._families[family].Metric(labels={"model": self.model, **labels}, **extra)
-        return metric
+    # The request path: local sums only.
 
     def _add(self, family: str, value: float, **labels) -> None:
-        try:
-            metric = self._metric(family, **labels)
-            if metric is not None and value:
-                metric.increment(value)
-        except Exception:  # noqa: BLE001
-            log.exception("%s: could not count %s", self.model, family)
+        if value:
+            with self._lock:
+                self._sums[(family, tuple(sorted(labels.items())))] += value
+            self._started()
 
     def failure(self, exc: Exception) -> None:
         self._add("kimi_vision_stub_failures_total", 1, kind=failure_kind(exc))
@@ -83,9 +93,54 @@ class ModelMetrics:
             self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
 
     def step_time(self, seconds: float) -> None:
-        try:
-            metric = self._metric("kimi_vision_step_seconds")
-            if metric is not None:
-                metric.observe(seconds)
-        except Exception:  # noqa: BLE001
-            log.exception("%s: could not observe the step time", self.model)
+        with self._lock:
+            self._observed.append(seconds)
+        self._started()
+
+    # The sender.
+
+    def _started(self) -> None:
+        if self._thread is None and not self._closed.is_set():
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=f"kimi-metrics-{self.model}", daemon=True)
+                    self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.flush_s):
+            self.flush()
+
+    def _metric(self, family: str, labels: tuple):
+        key = (family, labels)
+        metric = self._metrics.get(key)
+        if metric is None and family in self._families:
+            extra = {"buckets": STEP_BUCKETS} if family == "kimi_vision_step_seconds" else {}
+            metric = self._metrics[key] = self._families[family].Metric(labels={"model": self.model, **dict(labels)}, **extra)
+        return metric
+
+    def flush(self) -> None:
+        """Send what the request path has summed since the last flush (the sender thread calls it)."""
+        with self._lock:
+            sums, self._sums = self._sums, defaultdict(float)
+            observed, self._observed = self._observed, []
+        for (family, labels), value in sums.items():
+            try:
+                metric = self._metric(family, labels)
+                if metric is not None:
+                    metric.increment(value)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not count %s", self.model, family)
+        if observed:
+            try:
+                metric = self._metric("kimi_vision_step_seconds", ())
+                for seconds in observed if metric is not None else ():
+                    metric.observe(seconds)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not observe the step time", self.model)
+
+    def close(self) -> None:
+        """Stop the sender and send the rest (the model's finalize)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()

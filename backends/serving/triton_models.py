@@ -179,6 +179,9 @@ class _Adapter:
         profiler = getattr(self, "profiler", None)  # None if initialize failed before making it
         if profiler is not None:
             profiler.close()  # a profiling window still open when the model unloads is written now
+        metrics = getattr(self, "metrics", None)
+        if metrics is not None:
+            metrics.close()  # counts not yet sent
 
     def error_response(self, exc: Exception):
         self.metrics.failure(exc)

@@ -68,3 +68,26 @@ def test_a_truncated_jpeg_is_refused_as_pillow_refuses_it():
     with pytest.raises(RequestError, match="image 0"):
         pre([cut])
     assert pre.decode_stats[("pillow", "no_end_marker")] == 1
+
+
+def _jpeg(w, h, seed, gray=False, **save):
+    from clients.samples import encode, photo_like
+
+    img = Image.fromarray(photo_like(w, h, seed=seed))
+    return encode(img.convert("L") if gray else img, "JPEG", **save)
+
+
+def test_runs_of_same_sized_jpegs_equal_the_cpu_reference():
+    """Same-sized JPEGs in a row are converted in one launch and patchified in one launch; the result
+    must not change: every run boundary (sampling, size, grayscale, another format) in one request."""
+    files = ([_jpeg(448, 448, s, quality=90) for s in range(5)] + [_jpeg(448, 448, 9, quality=90, subsampling=0)]
+             + [_jpeg(448, 448, s, quality=80) for s in range(10, 13)] + [_jpeg(300, 200, 1)]
+             + [_jpeg(448, 448, s, gray=True) for s in range(2)] + [_jpeg(57, 31, s) for s in range(3)])
+    from clients.samples import encode, photo_like
+
+    files.insert(3, encode(photo_like(448, 448, seed=99), "PNG"))
+    ref, ref_grid, _ = Preprocessor(MediaConfig())(files)
+    pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
+    got, grid, _ = pre(files)
+    assert grid.tolist() == ref_grid.tolist() and torch.equal(got.cpu(), ref)
+    assert pre.decode_stats[("gpu", "")] == len(files) - 1

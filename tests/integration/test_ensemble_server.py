@@ -14,6 +14,7 @@ from backends.preprocess.resize_rule import navit_resize
 from backends.weights.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
+from polling import eventually
 
 SIZES = [(640, 480), (300, 200), (1100, 90)]
 
@@ -174,9 +175,15 @@ def test_failures_are_counted_in_our_metric(server):
     with pytest.raises(InferenceServerException):
         client.infer(np.array([1, 2], np.int64), [b"x"])
     client.close()
-    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5).read().decode()
-    lines = [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
-    assert any('model="kimi_preprocess"' in l and 'kind="invalid_input"' in l for l in lines), lines
+    def failure_lines():
+        text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5).read().decode()
+        return [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
+
+    def counted(lines):
+        return any('model="kimi_preprocess"' in l and 'kind="invalid_input"' in l for l in lines)
+
+    lines = eventually(failure_lines, counted)
+    assert counted(lines), lines
 
 
 def test_preprocess_is_usable_on_its_own(server):

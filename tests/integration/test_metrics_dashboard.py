@@ -11,6 +11,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
+from polling import eventually
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kimi-vision-triton.json"
 PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_min", "le", "model", "kind", "reason",
@@ -30,13 +31,19 @@ def test_our_metrics_count_images_patches_rejections_and_step_times(server):
     with pytest.raises(InferenceServerException):
         client.infer(np.array([1, 2], np.int64), [encode(photo_like(10, 10), "PNG")])  # 1:1 mismatch
     client.close()
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    assert re.search(r'kimi_vision_images_total\{model="kimi_preprocess"\} [1-9]', text)
-    assert re.search(r'kimi_vision_patches_total\{model="kimi_preprocess"\} [1-9]', text)
-    assert re.search(r'kimi_vision_rejections_total\{model="kimi_preprocess",reason="placeholder_mismatch"\} [1-9]', text)
-    assert re.search(r'kimi_vision_step_seconds_count\{model="moonvit3d"\} [1-9]', text)
-    assert re.search(r'kimi_vision_decodes_total\{model="kimi_preprocess",path="pillow",reason="no_gpu"\} [1-9]', text)
+    expected = [r'kimi_vision_images_total\{model="kimi_preprocess"\} [1-9]',
+                r'kimi_vision_patches_total\{model="kimi_preprocess"\} [1-9]',
+                r'kimi_vision_rejections_total\{model="kimi_preprocess",reason="placeholder_mismatch"\} [1-9]',
+                r'kimi_vision_step_seconds_count\{model="moonvit3d"\} [1-9]',
+                r'kimi_vision_decodes_total\{model="kimi_preprocess",path="pillow",reason="no_gpu"\} [1-9]']
+
+    def text():
+        with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    got = eventually(text, lambda t: all(re.search(e, t) for e in expected))  # sent from the stubs' sender threads
+    for e in expected:
+        assert re.search(e, got), e
 
 
 def test_dashboard_references_only_exported_metrics(server):

@@ -197,3 +197,34 @@ def test_cancellation_is_asked_at_most_once_per_interval():
         results.append(check())
     assert results == [False, False, False, True, False, True]
     assert asked == [0.021, 0.05]
+
+
+def test_runs_of_back_to_back_frames_are_patchified_together_with_the_same_result(monkeypatch):
+    """On a GPU a run of same-sized JPEGs comes back as views of one tensor and is patchified in one
+    launch. Here the frames are made to come back that way on the CPU: the pixel values must equal
+    the frame-by-frame result, across run boundaries (another size, a video chunk)."""
+    sizes = [(448, 448)] * 3 + [(300, 200)] + [(448, 448)] * 2
+    blobs = [encode(photo_like(w, h, seed=i), "PNG") for i, (w, h) in enumerate(sizes)]
+    blobs += [encode(photo_like(448, 448, seed=20 + i), "PNG") for i in range(2)]  # a 2-frame chunk
+    blobs += [encode(photo_like(448, 448, seed=30 + i), "PNG") for i in range(2)]
+    frames = [0, 0, 0, 0, 0, 0, 2, 0, 0]
+    pre = Preprocessor(MediaConfig())
+    want, want_grid, _ = pre(blobs, media_frames=frames)
+
+    plain_frames = Preprocessor._frames
+
+    def back_to_back(self, *args):
+        decoded = list(plain_frames(self, *args))
+        joined = torch.cat([f.reshape(-1) for f in decoded])  # one tensor, the frames one after another
+        offset = 0
+        for f in decoded:
+            yield joined[offset: offset + f.numel()].view(f.shape)
+            offset += f.numel()
+
+    monkeypatch.setattr(Preprocessor, "_frames", back_to_back)
+    calls = []
+    plain_patchify = Preprocessor._patchify
+    monkeypatch.setattr(Preprocessor, "_patchify", lambda self, px, plan: calls.append(tuple(px.shape)) or plain_patchify(self, px, plan))
+    got, grid, _ = pre(blobs, media_frames=frames)
+    assert grid.tolist() == want_grid.tolist() and torch.equal(got, want)
+    assert [c[0] if len(c) == 4 else 1 for c in calls] == [3, 1, 2, 2, 2]  # runs, the chunk, a run

@@ -3,7 +3,8 @@
 
 - fused in-place RoPE vs the portable complex multiply;
 - fused pad + normalize + patchify vs `pad_normalize_patchify` (bit for bit);
-- JPEG chroma upsampling + YCbCr->RGB vs `ycc_to_rgb_reference` (bit for bit, row-strided planes too).
+- JPEG chroma upsampling + YCbCr->RGB vs `ycc_to_rgb_reference` (bit for bit, row-strided planes too,
+  and a batch of images in one launch).
 
 On CPU the interpreter rounds fp32 -> bf16 by truncation, so bf16 is checked to one ulp here. The
 RoPE's exact reference on CPU is the complex product written out with separately rounded products
@@ -92,7 +93,7 @@ for w, h, t in [(30, 20, 1), (57, 41, 2), (28, 28, 1), (1, 1, 1), (100, 3, 4)]:
     got = normalize_patchify(img, table, *shape, torch.bfloat16)
     torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-30)
 
-from backends.kernels.jpeg_color import ycc_to_rgb, ycc_to_rgb_reference
+from backends.kernels.jpeg_color import ycc_to_rgb, ycc_to_rgb_batch, ycc_to_rgb_reference
 
 gen = torch.Generator().manual_seed(5)
 for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
@@ -102,6 +103,17 @@ for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
         cb = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
         cr = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
         assert torch.equal(ycc_to_rgb(y, cb, cr, fx, fy, block=64), ycc_to_rgb_reference(y, cb, cr, fx, fy)), (fx, fy, h, w)
+    # A batch as decode_planes lays it out: per image Y, Cb, Cr back to back in one buffer.
+    h, w, n = 9, 14, 3
+    dh, dw = -(-h // fy), -(-w // fx)
+    size = h * w + 2 * dh * dw
+    buf = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=gen)
+    ys = buf.as_strided((n, h, w), (size, w, 1))
+    cbs = buf.as_strided((n, dh, dw), (size, dw, 1), h * w)
+    crs = buf.as_strided((n, dh, dw), (size, dw, 1), h * w + dh * dw)
+    got = ycc_to_rgb_batch(ys, cbs, crs, fx, fy, block=8)
+    for k in range(n):
+        assert torch.equal(got[k], ycc_to_rgb_reference(ys[k], cbs[k], crs[k], fx, fy)), (fx, fy, k)
 print("ok")
 """
 

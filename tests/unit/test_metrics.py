@@ -1,0 +1,83 @@
+"""Our metrics leave the request path: the request adds to local sums, a sender thread hands them to
+the server (here a recording stand-in for pb_utils' metric API)."""
+
+import threading
+import time
+
+from backends.errors import RequestError
+from backends.serving.metrics import ModelMetrics
+
+
+class FakePbUtils:
+    """Records what reaches 'the server', and from which thread."""
+
+    def __init__(self, fail_first: bool = False):
+        self.sent, self.threads, self.fail_first = [], set(), fail_first
+        outer = self
+
+        class Metric:
+            def __init__(self, labels, **extra):
+                self.labels = labels
+
+            def increment(self, value):
+                outer.threads.add(threading.current_thread().name)
+                if outer.fail_first:
+                    outer.fail_first = False
+                    raise RuntimeError("server busy")
+                outer.sent.append(("inc", self.family, tuple(sorted(self.labels.items())), value))
+
+            def observe(self, value):
+                outer.threads.add(threading.current_thread().name)
+                outer.sent.append(("obs", self.family, tuple(sorted(self.labels.items())), value))
+
+        class MetricFamily:
+            COUNTER, HISTOGRAM = "counter", "histogram"
+
+            def __init__(self, name, description, kind):
+                self.name = name
+
+            def Metric(self, labels, **extra):  # noqa: N802 - pb_utils' name
+                m = Metric(labels, **extra)
+                m.family = self.name
+                return m
+
+        self.MetricFamily = MetricFamily
+
+
+def test_request_path_sends_nothing_and_the_sender_sums():
+    pb = FakePbUtils()
+    m = ModelMetrics(pb, "kimi_preprocess", flush_s=3600)  # the thread never wakes on its own here
+    for _ in range(3):
+        m.preprocessed(8, 2048)
+        m.decodes({("gpu", ""): 8})
+        m.step_time(0.004)
+    m.failure(RequestError("bad", "placeholder_mismatch"))
+    assert pb.sent == []  # nothing left the request path
+    m.close()
+    incs = {(f, labels): v for kind, f, labels, v in pb.sent if kind == "inc"}
+    assert incs[("kimi_vision_images_total", (("model", "kimi_preprocess"),))] == 24
+    assert incs[("kimi_vision_patches_total", (("model", "kimi_preprocess"),))] == 3 * 2048
+    assert incs[("kimi_vision_decodes_total", (("model", "kimi_preprocess"), ("path", "gpu"), ("reason", "-")))] == 24
+    assert incs[("kimi_vision_rejections_total", (("model", "kimi_preprocess"), ("reason", "placeholder_mismatch")))] == 1
+    assert incs[("kimi_vision_stub_failures_total", (("kind", "invalid_input"), ("model", "kimi_preprocess")))] == 1
+    assert [v for kind, *_, v in pb.sent if kind == "obs"] == [0.004] * 3
+
+
+def test_the_sender_thread_delivers_without_close():
+    pb = FakePbUtils()
+    m = ModelMetrics(pb, "moonvit3d", flush_s=0.01)
+    m.step_time(0.02)
+    deadline = time.monotonic() + 5
+    while not pb.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pb.sent == [("obs", "kimi_vision_step_seconds", (("model", "moonvit3d"),), 0.02)]
+    assert pb.threads == {"kimi-metrics-moonvit3d"}
+    m.close()
+
+
+def test_a_metric_error_is_swallowed_and_the_rest_still_sent():
+    pb = FakePbUtils(fail_first=True)
+    m = ModelMetrics(pb, "kimi_placeholder", flush_s=3600)
+    m.preprocessed(1, 4)
+    m.close()
+    assert [f for _, f, _, _ in pb.sent] == ["kimi_vision_patches_total"]  # images_total failed, patches sent
