@@ -185,13 +185,13 @@ def _same_shape_runs(infos: list[JpegInfo], planes: list[list[torch.Tensor]]) ->
     from each image to the next (what decode_planes gives them): each run converts in one launch."""
     runs: list[list[int]] = []
     for i, info in enumerate(infos):
-        if runs:
+        if runs and info == infos[runs[-1][-1]]:  # same info: the same number and sizes of planes
             run = runs[-1]
-            last, before = run[-1], run[-2] if len(run) > 1 else None
-            step = [planes[i][c].data_ptr() - planes[last][c].data_ptr() for c in range(len(planes[i]))]
-            same = (info == infos[last] and len(set(step)) == 1
-                    and (before is None or step[0] == planes[last][0].data_ptr() - planes[before][0].data_ptr()))
-            if same:
+            last = run[-1]
+            step = {planes[i][c].data_ptr() - planes[last][c].data_ptr() for c in range(len(planes[i]))}
+            if len(run) > 1:
+                step.add(planes[last][0].data_ptr() - planes[run[-2]][0].data_ptr())
+            if len(step) == 1 and step.pop() > 0:
                 run.append(i)
                 continue
         runs.append([i])

@@ -85,3 +85,28 @@ def test_self_check_covers_every_sampling_the_gpu_path_takes():
         assert pillow_reason(img) is None
         samplings.add(img.mode if img.mode == "L" else tuple(img.layer[0][1:3]))
     assert samplings == {"L", (1, 1), (2, 1), (2, 2)}
+
+
+def test_runs_group_consecutive_same_shaped_images_at_one_spacing():
+    """Which decoded images share one colour-kernel launch (CPU tensors stand in for the planes)."""
+    import torch
+
+    from backends.preprocess.jpeg_gpu import _same_shape_runs
+    from backends.preprocess.nvjpeg import JpegInfo
+
+    color = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 4:2:0
+    gray = JpegInfo(4, 2, 1, 6, (4,), (2,))
+    other = JpegInfo(6, 2, 3, 2, (6, 3, 3), (2, 1, 1))
+    buf = torch.zeros(1000, dtype=torch.uint8)
+    infos, planes, offset = [], [], 0
+    for info in (color, color, color, gray, gray, color, other, color, color):
+        views = []
+        for w, h in zip(info.widths, info.heights):
+            views.append(buf[offset: offset + w * h].view(h, w))
+            offset += w * h
+        infos.append(info)
+        planes.append(views)
+    assert _same_shape_runs(infos, planes) == [[0, 1, 2], [3, 4], [5], [6], [7, 8]]
+    # Not evenly spaced (a gap before image 2): a new run.
+    planes[2] = [buf[900 + k * 4: 900 + k * 4 + p.numel()].view(p.shape) for k, p in enumerate(planes[2])]
+    assert _same_shape_runs(infos, planes)[:2] == [[0, 1], [2]]

@@ -114,6 +114,55 @@ for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
     got = ycc_to_rgb_batch(ys, cbs, crs, fx, fy, block=8)
     for k in range(n):
         assert torch.equal(got[k], ycc_to_rgb_reference(ys[k], cbs[k], crs[k], fx, fy)), (fx, fy, k)
+
+# GpuJpegDecoder.decode's runs, with the hardware decoder replaced by one that lays out random planes
+# the way decode_planes does (per image Y, Cb, Cr back to back in one buffer): colour, gray and other
+# sizes mixed, every image equal to the reference conversion of its own planes.
+from types import SimpleNamespace
+
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+from backends.preprocess.nvjpeg import JpegInfo
+
+
+class FakeHardware:
+    def __init__(self, infos):
+        self.infos, self.planes = infos, {}
+
+    def info(self, blob):
+        return self.infos[blob]
+
+    def unsupported(self, blob, info):
+        return None
+
+    def decode_planes(self, datas, infos):
+        sizes = [w * h for i in infos for w, h in zip(i.widths, i.heights)]
+        buf = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=gen)
+        out, offset = [], 0
+        for blob, info in zip(datas, infos):
+            views = []
+            for w, h in zip(info.widths, info.heights):
+                views.append(buf[offset: offset + w * h].view(h, w))
+                offset += w * h
+            self.planes[blob] = views
+            out.append(views)
+        return out
+
+
+kinds = {"420": JpegInfo(9, 5, 3, 2, (9, 5, 5), (5, 3, 3)), "444": JpegInfo(9, 5, 3, 0, (9, 9, 9), (5, 5, 5)),
+         "gray": JpegInfo(9, 5, 1, 6, (9,), (5,)), "422": JpegInfo(7, 3, 3, 1, (7, 4, 4), (3, 3, 3))}
+order = ["420", "420", "420", "gray", "gray", "420", "444", "444", "422", "420"]
+blobs = [f"{k}{i}".encode() + b"\xff\xd9" for i, k in enumerate(order)]
+hw = FakeHardware({b: kinds[k] for b, k in zip(blobs, order)})
+dec = object.__new__(GpuJpegDecoder)
+dec.decoder, dec.stats = hw, __import__("collections").Counter()
+images = [SimpleNamespace(size=(kinds[k].width, kinds[k].height)) for k in order]
+for blob, k, rgb in zip(blobs, order, dec.decode(blobs, images)):
+    y, *chroma = hw.planes[blob]
+    info = kinds[k]
+    want = (y.unsqueeze(-1).expand(-1, -1, 3) if info.factors is None
+            else ycc_to_rgb_reference(y, chroma[0], chroma[1], *info.factors))
+    assert torch.equal(rgb, want), k
+assert dec.stats[("gpu", "")] == len(order)
 print("ok")
 """
 
