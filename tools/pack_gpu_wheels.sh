@@ -15,9 +15,13 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$1" "${@:2}"; }
+# The versions the server runs with are requirements.txt's: read them there, never repeat them here.
+pin() { local p; p=$(sed -n -E "s/^($1)(\[[^]]*\])?==([^ #]+).*/\1==\3/p" requirements.txt)
+        [[ -n $p ]] || { echo "requirements.txt pins no $1" >&2; exit 1; }; echo "$p"; }
 mkdir -p "$dest/gpu" "$dest/perf" "$tmp/pt" "$tmp/w"
-get "$dest/gpu" numpy==1.26.4 tritonclient==2.73.0 python-rapidjson
-get "$tmp/w" nvidia-pytriton==0.7.0
+numpy=$(pin numpy); client=$(pin tritonclient); pytriton=$(pin nvidia-pytriton)  # set -e stops on a missing pin
+get "$dest/gpu" "$numpy" "$client" python-rapidjson
+get "$tmp/w" "$pytriton"
 (cd "$tmp/pt" && unzip -q "$tmp"/w/nvidia_pytriton-*.whl && rm -f nvidia_pytriton.libs/libpython3-*.so* \
   && find pytriton/tritonserver/python_backend_stubs -mindepth 1 -maxdepth 1 -type d ! -name 3.12 -exec rm -rf {} + \
   && tar -cf - . | xz -9 -T2 > "$OLDPWD/$dest/gpu/pytriton-slim.tar.xz")
