@@ -150,20 +150,20 @@ class KimiVisionClient:
         return array[0] if self.batched else array
 
     def _result(self, r, wanted, **given) -> VisionResult:
-        fields = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
-                  "IMAGE_TOKEN_COUNTS": "token_counts"}
+        fields = {contract.EXPANDED_IDS: "expanded_ids", contract.IMAGE_EMBEDS: "image_embeds",
+                  contract.GRID_THWS: "grid_thws", contract.IMAGE_TOKEN_COUNTS: "token_counts"}
         values = {field: (self._output(r, name) if name in wanted else None) for name, field in fields.items()}
         values.update(given)
         return VisionResult(**values)
 
     def _inputs(self, ids, blobs):
-        a = self.tc.InferInput("INPUT_IDS", self._shape(ids), "INT64")
-        b = self.tc.InferInput("IMAGES", self._shape(blobs), "BYTES")
+        a = self.tc.InferInput(contract.INPUT_IDS, self._shape(ids), "INT64")
+        b = self.tc.InferInput(contract.IMAGES, self._shape(blobs), "BYTES")
         return a, b
 
     def _call(self, inputs, frames, outputs, timeout_s):
         if frames is not None:
-            f = self.tc.InferInput("MEDIA_FRAMES", self._shape(frames), "INT64")
+            f = self.tc.InferInput(contract.MEDIA_FRAMES, self._shape(frames), "INT64")
             f.set_data_from_numpy(self._batch(frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
@@ -215,18 +215,18 @@ class KimiVisionClient:
             else:
                 b.set_data_from_numpy(self._batch(blobs))
             requested = self._requested(wanted)
-            if "IMAGE_EMBEDS" in wanted:
-                requested[wanted.index("IMAGE_EMBEDS")].set_shared_memory(out_name, capacity)
+            if contract.IMAGE_EMBEDS in wanted:
+                requested[wanted.index(contract.IMAGE_EMBEDS)].set_shared_memory(out_name, capacity)
             r = self._call([a, b], frames, requested, timeout_s)
             embeds = None
-            if "IMAGE_EMBEDS" in wanted:
-                shape, datatype = _output_meta(r, "IMAGE_EMBEDS")
+            if contract.IMAGE_EMBEDS in wanted:
+                shape, datatype = _output_meta(r, contract.IMAGE_EMBEDS)
                 embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
                 embeds = embeds[0] if self.batched else embeds
-            return self._result(r, [n for n in wanted if n != "IMAGE_EMBEDS"], image_embeds=embeds)
+            return self._result(r, [n for n in wanted if n != contract.IMAGE_EMBEDS], image_embeds=embeds)
 
     def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
-        if "IMAGE_EMBEDS" not in wanted:  # nothing would go into the region
+        if contract.IMAGE_EMBEDS not in wanted:  # nothing would go into the region
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted)
         with _Cleanup(self) as cleanup:
             region = CudaOutputRegion(self, capacity)
@@ -241,14 +241,14 @@ class KimiVisionClient:
         a.set_data_from_numpy(self._batch(ids))
         b.set_data_from_numpy(self._batch(blobs))
         requested = self._requested(wanted)
-        if "IMAGE_EMBEDS" in wanted:
-            requested[wanted.index("IMAGE_EMBEDS")].set_shared_memory(region.name, region.capacity)
+        if contract.IMAGE_EMBEDS in wanted:
+            requested[wanted.index(contract.IMAGE_EMBEDS)].set_shared_memory(region.name, region.capacity)
         r = self._call([a, b], frames, requested, timeout_s)
         embeds = None
-        if "IMAGE_EMBEDS" in wanted:
+        if contract.IMAGE_EMBEDS in wanted:
             embeds = region.embeds(r)
             embeds = embeds[0] if self.batched else embeds
-        return self._result(r, [n for n in wanted if n != "IMAGE_EMBEDS"], image_embeds=None, cuda_embeds=embeds)
+        return self._result(r, [n for n in wanted if n != contract.IMAGE_EMBEDS], image_embeds=None, cuda_embeds=embeds)
 
     def _h(self) -> dict:
         return {"headers": self.headers} if self.headers else {}
@@ -334,7 +334,7 @@ class CudaOutputRegion:
         """IMAGE_EMBEDS of `result` as a torch view into the region (its shape and dtype)."""
         import torch
 
-        shape, datatype = _output_meta(result, "IMAGE_EMBEDS")
+        shape, datatype = _output_meta(result, contract.IMAGE_EMBEDS)
         dtype = {"BF16": torch.bfloat16, "FP32": torch.float32, "FP16": torch.float16}[datatype]
         nbytes = int(np.prod(shape)) * dtype.itemsize
         return self.bytes[:nbytes].view(dtype).view(*shape)

@@ -21,6 +21,7 @@ from backends.placeholder.expand import check_one_placeholder_per_image, expand_
 from backends.preprocess.decode import open_image
 from backends.preprocess.media import check_image_count, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +121,8 @@ class PlaceholderStep:
             sizes = [open_image(b, i, self.limits.max_image_pixels).size for i, b in enumerate(images)]
             counts = [m.plan.num_tokens for m in plan_media(sizes, self.cfg.media, self.limits, media_frames)]
         return {
-            "EXPANDED_IDS": expand_placeholders(ids, pad, counts),
-            "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64),
+            EXPANDED_IDS: expand_placeholders(ids, pad, counts),
+            IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64),
         }
 
 
@@ -150,8 +151,8 @@ class PreprocessStep:
         if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:
             raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
                                f"the images' {counts}", "bad_counts")
-        return {"PIXEL_VALUES": pixel_values, "GRID_THWS": grid_thws,
-                "IMAGE_TOKEN_COUNTS": np.asarray(counts, dtype=np.int64)}
+        return {PIXEL_VALUES: pixel_values, GRID_THWS: grid_thws,
+                IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
 
 
 @dataclass

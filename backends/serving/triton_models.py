@@ -21,7 +21,8 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics
 from backends.serving.profiling import ExecuteProfiler
-from contract import FORWARD_SUFFIX
+from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
+                      PIXEL_VALUES)
 from backends.serving.steps import (EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep,
                                     throttled)
 
@@ -195,9 +196,9 @@ class PlaceholderModel(_Adapter):
         self.step = PlaceholderStep(self.settings.vision, self.settings.limits)
 
     def respond(self, inputs: _Inputs):
-        return self.step(inputs.numpy("INPUT_IDS"), inputs.bytes_list("IMAGES", optional=True),
-                         inputs.numpy("MEDIA_FRAMES", optional=True),
-                         token_counts=inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True))
+        return self.step(inputs.numpy(INPUT_IDS), inputs.bytes_list(IMAGES, optional=True),
+                         inputs.numpy(MEDIA_FRAMES, optional=True),
+                         token_counts=inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True))
 
 
 def _out_dtype(config: dict, tensor: str) -> torch.dtype:
@@ -212,23 +213,23 @@ class PreprocessModel(_Adapter):
 
     def setup(self):
         self.step = PreprocessStep(self.settings.vision, self.settings.limits, device=self.settings.device,
-                                   out_dtype=_out_dtype(self.config, "PIXEL_VALUES"))
+                                   out_dtype=_out_dtype(self.config, PIXEL_VALUES))
 
     def respond(self, inputs: _Inputs):
-        images = inputs.bytes_list("IMAGES")
+        images = inputs.bytes_list(IMAGES)
         before = dict(self.step.pre.decode_stats)
         try:
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
-            out = self.step(images, inputs.numpy("IMAGE_TOKEN_COUNTS", optional=True),
-                            inputs.numpy("MEDIA_FRAMES", optional=True),
+            out = self.step(images, inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True),
+                            inputs.numpy(MEDIA_FRAMES, optional=True),
                             cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
-                            input_ids=inputs.numpy("INPUT_IDS", optional=True))
+                            input_ids=inputs.numpy(INPUT_IDS, optional=True))
         finally:
             after = self.step.pre.decode_stats
             self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
-        self.metrics.preprocessed(len(images), int(out["PIXEL_VALUES"].shape[0]))
+        self.metrics.preprocessed(len(images), int(out[PIXEL_VALUES].shape[0]))
         return out
 
 
@@ -239,7 +240,7 @@ class EncoderModel(_Adapter):
         from backends.weights.load import load_model
 
         model, _ = load_model(self.settings.checkpoint, self.settings.device,
-                              dtype=_out_dtype(self.config, "IMAGE_EMBEDS"), config=self.settings.vision)
+                              dtype=_out_dtype(self.config, IMAGE_EMBEDS), config=self.settings.vision)
         self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
 
     def _execute(self, requests):
@@ -250,7 +251,7 @@ class EncoderModel(_Adapter):
                 if request.is_cancelled():  # dropped from the batch: nobody waits for its embeddings
                     raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
-                parsed.append((inputs, EncoderRequest(inputs.torch("PIXEL_VALUES"), inputs.numpy("GRID_THWS"))))
+                parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
         t0 = time.perf_counter()
@@ -262,8 +263,8 @@ class EncoderModel(_Adapter):
             try:
                 if isinstance(result, Exception):
                     raise result
-                outputs = p[0].shape_outputs({"IMAGE_EMBEDS": result})
-                responses.append(pb_utils.InferenceResponse(output_tensors=[_output("IMAGE_EMBEDS", outputs["IMAGE_EMBEDS"])]))
+                outputs = p[0].shape_outputs({IMAGE_EMBEDS: result})
+                responses.append(pb_utils.InferenceResponse(output_tensors=[_output(IMAGE_EMBEDS, outputs[IMAGE_EMBEDS])]))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
             self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
