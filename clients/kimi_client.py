@@ -76,7 +76,9 @@ UNREGISTER_RETRY_S = 10.0
 class KimiVisionClient:
     def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False,
                  admin_key: str = ""):
-        """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server).
+        """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server). Requests
+        for EXPANDED_IDS and/or IMAGE_TOKEN_COUNTS alone go to kimi_placeholder(_batched), which reads
+        only the images' headers, unless `model` names the model to ask.
         admin_key "<header>=<value>": the key of a server whose shared-memory API is restricted
         (`--admin-key` of the launcher); sent as that HTTP header, or over gRPC as the metadata
         `triton-grpc-protocol-<header>`, which is how tritonserver reads it there."""
@@ -84,6 +86,8 @@ class KimiVisionClient:
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.protocol, self.batched = protocol, batched
         self.model = model or (BATCHED_MODEL if batched else MODEL)
+        # Ids and counts alone go to kimi_placeholder (headers only) unless a model was named.
+        self.route_header_outputs = model is None
         self.headers = {}
         if admin_key:
             header, _, value = admin_key.partition("=")
@@ -103,7 +107,7 @@ class KimiVisionClient:
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
               shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
               outputs: Sequence[str] = OUTPUTS) -> VisionResult:
-        """One request through the ensemble.
+        """One request through the ensemble (ids and counts alone: through kimi_placeholder).
 
         media_frames: None when every image is a still image; else one entry per media in prompt
         order, 0 for an image and t (1..4) for a video chunk whose t frames are the next t images.
@@ -173,8 +177,9 @@ class KimiVisionClient:
 
     def _model_for(self, wanted: Sequence[str]) -> str:
         """Ids and counts alone come from kimi_placeholder, which reads only the images' headers; in the
-        ensemble they come after preprocessing (which checks the prompt, then decodes)."""
-        if self.model in (MODEL, BATCHED_MODEL) and set(wanted) <= set(HEADER_OUTPUTS):
+        ensemble they come after preprocessing (which checks the prompt, then decodes). A client made
+        with an explicit `model` always asks that model."""
+        if self.route_header_outputs and set(wanted) <= set(HEADER_OUTPUTS):
             return contract.PLACEHOLDER_BATCHED if self.model == BATCHED_MODEL else contract.PLACEHOLDER
         return self.model
 

@@ -29,6 +29,10 @@ class TensorSpec:
         return f"{mc.DataType.Name(self.dtype)}{list(self.dims)}"
 
 
+# Model-config parameters that bound a request (backends.config.Limits).
+LIMIT_PARAMETERS = ("max_images", "max_patches", "max_image_pixels")
+
+
 def compatible(a: TensorSpec, b: TensorSpec) -> bool:
     """Same dtype, same rank, and each dimension equal or variable (-1) on either side."""
     if a.dtype != b.dtype or len(a.dims) != len(b.dims):
@@ -110,6 +114,15 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
             o = outputs[model_output]
             available[tensor] = TensorSpec(o.data_type, _dims(o.dims))
             produced_by[tensor] = step.model_name
+    # One set of request limits for every step: a step with a smaller limit than the one before it would
+    # refuse a request that step passed, and the two steps after preprocessing run side by side
+    # (tritonserver 2.51 never answers a request whose parallel steps both fail).
+    for key in LIMIT_PARAMETERS:
+        values = {s.model_name: configs[s.model_name].parameters[key].string_value
+                  for s in ens.ensemble_scheduling.step
+                  if s.model_name in configs and key in configs[s.model_name].parameters}
+        if len(set(values.values())) > 1:
+            problems.append(f"{where}: its steps set {key} differently ({values}); give them one value")
     ens_outputs = {t.name: t for t in ens.output}
     for t in ens.input:
         if t.name not in consumed:

@@ -23,6 +23,7 @@ from PIL import Image
 
 from backends.kernels import jpeg_color
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
+from backends.preprocess.views import spacing, stacked
 
 log = logging.getLogger("kimi_vision.jpeg")
 
@@ -169,11 +170,9 @@ class GpuJpegDecoder:
             else:
                 # The run's planes lie at a fixed distance from one image to the next in decode_planes'
                 # buffer: one launch converts them all, into one (n, H, W, 3) tensor.
-                n = len(run)
-                step = planes[run[1]][0].data_ptr() - p[0].data_ptr() if n > 1 else 0
-                y, cb, cr = (plane.as_strided((n, *plane.shape), (step, *plane.stride()))
-                             for plane in (p[0][: info.height, : info.width], p[1], p[2]))
-                rgb = jpeg_color.ycc_to_rgb_batch(y, cb, cr, *info.factors)
+                step = spacing(p[0], planes[run[1]][0]) if len(run) > 1 else 0
+                y, cb, cr = (stacked([planes[r][c] for r in run], step) for c in range(3))
+                rgb = jpeg_color.ycc_to_rgb_batch(y[:, : info.height, : info.width], cb, cr, *info.factors)
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
             self.stats[("gpu", "")] += len(run)
@@ -188,10 +187,11 @@ def _same_shape_runs(infos: list[JpegInfo], planes: list[list[torch.Tensor]]) ->
         if runs and info == infos[runs[-1][-1]]:  # same info: the same number and sizes of planes
             run = runs[-1]
             last = run[-1]
-            step = {planes[i][c].data_ptr() - planes[last][c].data_ptr() for c in range(len(planes[i]))}
+            steps = {spacing(planes[last][c], planes[i][c]) for c in range(len(planes[i]))}
             if len(run) > 1:
-                step.add(planes[last][0].data_ptr() - planes[run[-2]][0].data_ptr())
-            if len(step) == 1 and step.pop() > 0:
+                steps.add(spacing(planes[run[-2]][0], planes[last][0]))
+            step = steps.pop() if len(steps) == 1 else None
+            if step is not None and step > 0:
                 run.append(i)
                 continue
         runs.append([i])

@@ -6,8 +6,8 @@ reproduces are decoded there (jpeg_gpu.py: nvJPEG's hardware decoder + libjpeg-t
 and colour conversion), everything else by Pillow and uploaded; then `bicubic.resize_bicubic`, which
 equals Pillow bit for bit, and one Triton kernel that pads, normalizes and patchifies
 (kernels/patchify.py). Consecutive JPEGs of one size and sampling (eight 448^2 photos) come out of the
-GPU decoder as one tensor and are patchified in one launch: on the GPU path a request of small images
-costs kernel launches more than kernel time.
+GPU decoder as one tensor and, when their plan needs no resize, are patchified in one launch: on the GPU
+path a request of small images costs kernel launches more than kernel time.
 
 Pillow decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead
 of the one being uploaded: Pillow releases the GIL while it decodes and resizes, so a multi-image
@@ -37,6 +37,7 @@ from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.media import MediaPlan, check_image_count, plan_media
 from backends.preprocess.normalize import normalization_table
 from backends.preprocess.resize_rule import ResizePlan
+from backends.preprocess.views import spacing, stacked
 
 log = logging.getLogger("kimi_vision.preprocess")
 
@@ -61,21 +62,15 @@ _POOL_LOCK = threading.Lock()
 
 
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """b is a contiguous frame of a's shape that starts where a ends in memory (the GPU decoder converts
-    a run of same-sized JPEGs into one tensor)."""
-    return (a.is_contiguous() and b.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device  # and one tensor's memory, not two allocations that happen to touch
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+    """b is a contiguous frame of a's shape that starts where a ends, in the same tensor (the GPU decoder
+    converts a run of same-sized JPEGs into one): patchified together they are one contiguous batch."""
+    return a.is_contiguous() and spacing(a, b) == a.numel()
 
 
 def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
     """One frame as it is; a run of back-to-back frames as a (T, H, W, 3) view of the memory they share.
     Patchified t-major, the run gives each image's patches in order, as patchifying one by one would."""
-    if len(frames) == 1:
-        return frames[0]
-    first = frames[0]
-    return first.as_strided((len(frames), *first.shape), (first.numel(), *first.stride()))
+    return frames[0] if len(frames) == 1 else stacked(frames, frames[0].numel())
 
 
 class Preprocessor:

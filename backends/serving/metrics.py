@@ -24,6 +24,9 @@ from backends.errors import RequestCancelled, RequestError
 
 log = logging.getLogger("kimi_vision")
 
+# Step times waiting for the sender, at most (normally a few dozen: it sends every FLUSH_S). Only a
+# sender that cannot send reaches it; then further step times are dropped, never the requests.
+MAX_PENDING_OBSERVATIONS = 100_000
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
@@ -39,6 +42,8 @@ class ModelMetrics:
     Each metric update is a blocking round trip from the stub to the server (pb_utils), several per
     request: on the request path they delay every response. So the request path only adds to local
     sums (and notes step times); a daemon thread sends them every FLUSH_S, and `close` sends the rest.
+    Counters then cost one round trip per label set per FLUSH_S; each step time still costs one, in the
+    thread (which holds the GIL while it waits, docs/triton_runtime.md#host-time-per-step).
     The exported values lag by at most about FLUSH_S, and a stub killed outright loses at most that
     much of its counts (the supervisor counts its death). Every method swallows metric errors: a
     metrics hiccup must never cost a response."""
@@ -50,7 +55,8 @@ class ModelMetrics:
         self.flush_s = self.FLUSH_S if flush_s is None else flush_s
         self._metrics: dict = {}
         self._families = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the sums and observations
+        self._sending = threading.Lock()  # one flush at a time (the metric objects are created there)
         self._sums: dict = defaultdict(float)  # (family, labels) -> increment not yet sent
         self._observed: list[float] = []  # step times not yet sent
         self._closed = threading.Event()
@@ -94,17 +100,25 @@ class ModelMetrics:
 
     def step_time(self, seconds: float) -> None:
         with self._lock:
-            self._observed.append(seconds)
+            if len(self._observed) < MAX_PENDING_OBSERVATIONS:  # a stalled sender must not grow memory
+                self._observed.append(seconds)
         self._started()
 
     # The sender.
 
     def _started(self) -> None:
-        if self._thread is None and not self._closed.is_set():
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name=f"kimi-metrics-{self.model}", daemon=True)
-                    self._thread.start()
+        if self._thread is not None or self._closed.is_set():
+            return
+        with self._lock:
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name=f"kimi-metrics-{self.model}", daemon=True)
+            try:
+                thread.start()
+            except Exception:  # noqa: BLE001 - e.g. no thread to be had: tried again on the next request
+                log.exception("%s: could not start the metrics sender", self.model)
+                return
+            self._thread = thread
 
     def _run(self) -> None:
         while not self._closed.wait(self.flush_s):
@@ -119,7 +133,12 @@ class ModelMetrics:
         return metric
 
     def flush(self) -> None:
-        """Send what the request path has summed since the last flush (the sender thread calls it)."""
+        """Send what the request path has summed since the last flush (the sender thread calls it; so
+        does close, which may overlap a sender stuck past its join timeout)."""
+        with self._sending:
+            self._flush()
+
+    def _flush(self) -> None:
         with self._lock:
             sums, self._sums = self._sums, defaultdict(float)
             observed, self._observed = self._observed, []

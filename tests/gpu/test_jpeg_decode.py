@@ -77,9 +77,17 @@ def _jpeg(w, h, seed, gray=False, **save):
     return encode(img.convert("L") if gray else img, "JPEG", **save)
 
 
-def test_runs_of_same_sized_jpegs_equal_the_cpu_reference():
+def test_runs_of_same_sized_jpegs_equal_the_cpu_reference(monkeypatch):
     """Same-sized JPEGs in a row are converted in one launch and patchified in one launch; the result
     must not change: every run boundary (sampling, size, grayscale, another format) in one request."""
+    from backends.kernels import jpeg_color, patchify
+
+    launches = {"colour": [], "patchify": []}
+    colour, patch = jpeg_color.ycc_to_rgb_batch, patchify.normalize_patchify
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch",
+                        lambda y, *a, **k: launches["colour"].append(y.shape[0]) or colour(y, *a, **k))
+    monkeypatch.setattr(patchify, "normalize_patchify",
+                        lambda px, *a, **k: launches["patchify"].append(px.shape[0] if px.dim() == 4 else 1) or patch(px, *a, **k))
     files = ([_jpeg(448, 448, s, quality=90) for s in range(5)] + [_jpeg(448, 448, 9, quality=90, subsampling=0)]
              + [_jpeg(448, 448, s, quality=80) for s in range(10, 13)] + [_jpeg(300, 200, 1)]
              + [_jpeg(448, 448, s, gray=True) for s in range(2)] + [_jpeg(57, 31, s) for s in range(3)])
@@ -91,3 +99,7 @@ def test_runs_of_same_sized_jpegs_equal_the_cpu_reference():
     got, grid, _ = pre(files)
     assert grid.tolist() == ref_grid.tolist() and torch.equal(got.cpu(), ref)
     assert pre.decode_stats[("gpu", "")] == len(files) - 1
+    # Runs formed: colour per decode run (448 4:2:0 x5, 4:4:4, 448 4:2:0 x3, 300x200, 57x31 x3; the gray
+    # ones are repeated planes), patchify per run in prompt order (the PNG and gray frames stand alone).
+    assert launches["colour"] == [5, 1, 3, 1, 3], launches
+    assert launches["patchify"] == [3, 1, 2, 1, 3, 1, 1, 1, 3], launches

@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 from backends.deploy.supervisor import parse_metrics
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from polling import eventually
+from server_state import eventually
 
 HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
 

@@ -14,7 +14,7 @@ from backends.preprocess.resize_rule import navit_resize
 from backends.weights.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
-from polling import eventually
+from server_state import eventually, inference_count
 
 SIZES = [(640, 480), (300, 200), (1100, 90)]
 
@@ -47,13 +47,6 @@ def reference():
     return blobs, ids, expected(blobs, ids)
 
 
-def stats_count(server, model):
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    c.close()
-    return int(s["inference_count"]) if "inference_count" in s else 0
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_several_images_of_different_sizes(server, reference, protocol):
     blobs, ids, (counts, expanded, grids, embeds) = reference
@@ -82,14 +75,14 @@ def test_placeholder_count_mismatch_is_refused_before_the_encoder(server, protoc
     url = server.grpc_url if protocol == "grpc" else server.http_url
     client = KimiVisionClient(url, protocol=protocol)
     models = ("moonvit3d", "kimi_placeholder")  # kimi_preprocess refuses it (tests/unit: before reading an image)
-    before = [stats_count(server, m) for m in models]
+    before = [inference_count(server, m) for m in models]
     ids = np.array([1, MEDIA_PAD, 2, MEDIA_PAD, 3], np.int64)  # two placeholders, one image
     with pytest.raises(InferenceServerException) as err:
         client.infer(ids, images()[:1])
     client.close()
     assert "has 2 <|media_pad|> placeholder token(s)" in str(err.value)
     assert "but 1 image(s)" in str(err.value)
-    assert [stats_count(server, m) for m in models] == before
+    assert [inference_count(server, m) for m in models] == before
 
 
 def test_bad_prompt_and_bad_image_together_get_one_clear_error(server):

@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from polling import eventually
+from server_state import eventually
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kimi-vision-triton.json"
 PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_min", "le", "model", "kind", "reason",

@@ -9,6 +9,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import OUTPUTS, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
+from server_state import inference_count
 
 SUBSETS = [list(c) for n in range(1, len(OUTPUTS) + 1) for c in itertools.combinations(OUTPUTS, n)]
 FIELDS = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
@@ -30,8 +31,9 @@ def request_and_full_answer(server):
 def test_every_subset_of_the_outputs(server, request_and_full_answer, protocol, batched):
     assert len(SUBSETS) == 15
     ids, blobs, full = request_and_full_answer
+    # The ensemble itself for every subset (the client would send ids/counts alone to kimi_placeholder).
     client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol,
-                              batched=batched)
+                              batched=batched, model="kimi_k25_vision_batched" if batched else "kimi_k25_vision")
     try:
         for subset in SUBSETS:
             got = client.infer(ids, blobs, outputs=subset)
@@ -45,44 +47,19 @@ def test_every_subset_of_the_outputs(server, request_and_full_answer, protocol, 
         client.close()
 
 
-def _inference_count(server, model: str) -> int:
-    import tritonclient.grpc as grpcclient
-
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    c.close()
-    return int(s.get("inference_count", 0))
-
-
 @pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
 def test_ids_and_counts_alone_read_only_headers(server, request_and_full_answer, batched):
-    """The client asks kimi_placeholder for them (headers only); the ensemble answers the same subset
-    too, after preprocessing."""
-    import tritonclient.grpc as grpcclient
-
+    """The client asks kimi_placeholder for them (headers only: preprocessing never runs); the ensemble
+    answers the same subsets too (test_every_subset_of_the_outputs)."""
     ids, blobs, full = request_and_full_answer
     preprocess = "kimi_preprocess_batched" if batched else "kimi_preprocess"
     client = KimiVisionClient(server.grpc_url, batched=batched)
-    before = _inference_count(server, preprocess)
+    before = inference_count(server, preprocess)
     got = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS"])
     client.close()
-    assert _inference_count(server, preprocess) == before, "ids and counts alone decoded the images"
+    assert inference_count(server, preprocess) == before, "ids and counts alone decoded the images"
     np.testing.assert_array_equal(got.expanded_ids, full.expanded_ids)
     np.testing.assert_array_equal(got.token_counts, full.token_counts)
-
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    lead = [1] if batched else []
-    a = grpcclient.InferInput("INPUT_IDS", lead + [len(ids)], "INT64")
-    a.set_data_from_numpy(ids[None] if batched else ids)
-    b = grpcclient.InferInput("IMAGES", lead + [len(blobs)], "BYTES")
-    images = np.array(blobs, dtype=object)
-    b.set_data_from_numpy(images[None] if batched else images)
-    for name, field in (("EXPANDED_IDS", "expanded_ids"), ("IMAGE_TOKEN_COUNTS", "token_counts")):
-        r = c.infer("kimi_k25_vision_batched" if batched else "kimi_k25_vision", [a, b],
-                    outputs=[grpcclient.InferRequestedOutput(name)])
-        value = r.as_numpy(name)
-        np.testing.assert_array_equal(value[0] if batched else value, getattr(full, field))
-    c.close()
 
 
 def _registered(client: KimiVisionClient) -> list:

@@ -59,16 +59,29 @@ class _WrongDecoder:
         return None
 
     def decode_planes(self, datas, infos):
-        return [[torch.full((hh, ww), 77, dtype=torch.uint8) for ww, hh in zip(i.widths, i.heights)] for i in infos]
+        """Flat grey planes, laid out as the real one lays them out: per image Y, Cb, Cr in one buffer."""
+        buf = torch.full((sum(w * h for i in infos for w, h in zip(i.widths, i.heights)),), 77, dtype=torch.uint8)
+        out, offset = [], 0
+        for i in infos:
+            views = []
+            for w, h in zip(i.widths, i.heights):
+                views.append(buf[offset: offset + w * h].view(h, w))
+                offset += w * h
+            out.append(views)
+        return out
 
 
 def test_self_check_turns_gpu_decoding_off_when_a_pixel_differs(monkeypatch, caplog):
     monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _WrongDecoder)
     from backends.kernels import jpeg_color
 
-    monkeypatch.setattr(jpeg_color, "ycc_to_rgb", jpeg_color.ycc_to_rgb_reference)  # no GPU here
+    def batch_reference(y, cb, cr, fx, fy):  # the conversion, without the GPU kernel
+        return torch.stack([jpeg_color.ycc_to_rgb_reference(y[k], cb[k], cr[k], fx, fy) for k in range(y.shape[0])])
+
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", batch_reference)
     decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
-    assert not decoder.enabled and "self-check" in decoder.off_reason
+    # Every generated JPEG decodes (to flat grey) and differs: the check counts them, it did not raise.
+    assert not decoder.enabled and "of the generated JPEGs differ from Pillow" in decoder.off_reason, decoder.off_reason
     assert any("GPU JPEG decoding is off" in r.getMessage() for r in caplog.records)
     assert decoder.reason(Image.open(io.BytesIO(_img()))) == "gpu_decode_off"
 

@@ -81,3 +81,21 @@ def test_a_metric_error_is_swallowed_and_the_rest_still_sent():
     m.preprocessed(1, 4)
     m.close()
     assert [f for _, f, _, _ in pb.sent] == ["kimi_vision_patches_total"]  # images_total failed, patches sent
+
+
+def test_a_sender_that_cannot_start_costs_no_request(monkeypatch, caplog):
+    pb = FakePbUtils()
+    m = ModelMetrics(pb, "kimi_preprocess", flush_s=3600)
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    m.step_time(0.001)  # must not raise
+    m.preprocessed(1, 4)
+    assert m._thread is None and any("could not start the metrics sender" in r.getMessage() for r in caplog.records)
+    monkeypatch.undo()
+    m.step_time(0.002)  # the next request starts it
+    assert m._thread is not None
+    m.close()
+    assert sorted(v for kind, *_, v in pb.sent if kind == "obs") == [0.001, 0.002]

@@ -63,6 +63,9 @@ def _broken(tmp_path, model, old, new):
     # moonvit3d reading the ensemble output GRID_THWS instead of its _FORWARD copy (the 2.51 subset bug)
     ("kimi_k25_vision", r'key: "GRID_THWS"\n      value: "grid_thws"', 'key: "GRID_THWS"\n      value: "GRID_THWS"',
      "also feeds a step"),
+    # a smaller limit in the expansion than in preprocessing: it could refuse what preprocessing passed
+    ("kimi_placeholder", r'key: "max_patches"\n  value \{\n    string_value: "131072"',
+     'key: "max_patches"\n  value {\n    string_value: "4096"', "set max_patches differently"),
 ])
 def test_validator_fails_on_a_broken_copy(tmp_path, model, old, new, expected):
     problems = validate_repository(_broken(tmp_path, model, old, new))
@@ -92,3 +95,15 @@ def test_gpu_deployment_puts_instances_on_every_gpu_with_a_pool_each(gpus):
                                cuda_pools=dep.cuda_pools())
     pools = [a for a in cmd if a.startswith("--cuda-memory-pool-byte-size=")]
     assert pools == [f"--cuda-memory-pool-byte-size={g}:{dep.cuda_pool_bytes()}" for g in range(gpus)]
+
+
+def test_the_ensemble_runs_preprocessing_first_then_encoder_and_expansion_on_its_counts():
+    """The layout the both-steps-fail hang rules out otherwise: preprocessing reads the prompt (so it
+    refuses bad ones first), the expansion reads preprocessing's counts, never the images."""
+    for ensemble, pre, placeholder in (("kimi_k25_vision", "kimi_preprocess", "kimi_placeholder"),
+                                       ("kimi_k25_vision_batched", "kimi_preprocess_batched", "kimi_placeholder_batched")):
+        steps = {s.model_name: s for s in model_configs(Deployment())[ensemble].ensemble_scheduling.step}
+        assert list(steps) == [pre, "moonvit3d", placeholder]
+        assert dict(steps[pre].input_map) == {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", "INPUT_IDS": "INPUT_IDS"}
+        assert dict(steps[placeholder].input_map) == {"INPUT_IDS": "INPUT_IDS", "IMAGE_TOKEN_COUNTS": "image_token_counts"}
+        assert steps[pre].output_map["IMAGE_TOKEN_COUNTS_FORWARD"] == "image_token_counts"
