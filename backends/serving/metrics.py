@@ -11,6 +11,10 @@ them).
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
 
+- kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
+  that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second.
+  Allocated that keeps growing is a leak; reserved that grows while allocated does not is the cache.
+
 They reach the server from a sender thread, at most ModelMetrics.FLUSH_S after the request.
 """
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from backends.errors import RequestCancelled, RequestError
 
@@ -49,9 +55,15 @@ class ModelMetrics:
     metrics hiccup must never cost a response."""
 
     FLUSH_S = 0.2
+    MEMORY_EVERY_S = 1.0
 
-    def __init__(self, pb_utils, model: str, flush_s: float | None = None):
-        self.model = model
+    def __init__(self, pb_utils, model: str, flush_s: float | None = None, instance: str = "",
+                 memory: Callable[[], dict[str, float]] | None = None):
+        """memory, if given (GPU instances): returns {"allocated": bytes, "reserved": bytes}; the sender
+        sets the gauges from it every MEMORY_EVERY_S."""
+        self.model, self.instance, self.memory = model, instance, memory
+        self._memory_sent: dict[str, float] = {}
+        self._memory_at = float("-inf")
         self.flush_s = self.FLUSH_S if flush_s is None else flush_s
         self._metrics: dict = {}
         self._families = {}
@@ -69,6 +81,8 @@ class ModelMetrics:
             ("kimi_vision_patches_total", kinds.COUNTER, "Patches (14 x 14 pixels) preprocessed"),
             ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
             ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
+            ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
+             "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved"),
         ):
             if kind is None:
                 continue
@@ -123,6 +137,23 @@ class ModelMetrics:
     def _run(self) -> None:
         while not self._closed.wait(self.flush_s):
             self.flush()
+            if self.memory is not None and time.monotonic() - self._memory_at >= self.MEMORY_EVERY_S:
+                self._memory_at = time.monotonic()
+                self.send_memory()
+
+    def send_memory(self) -> None:
+        """Set the CUDA memory gauges (those that changed since they were last set)."""
+        try:
+            values = self.memory()
+            with self._sending:
+                for kind, value in values.items():
+                    if self._memory_sent.get(kind) != value:
+                        metric = self._metric("kimi_vision_cuda_memory_bytes", (("instance", self.instance), ("kind", kind)))
+                        if metric is not None:
+                            metric.set(value)
+                        self._memory_sent[kind] = value
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not set the CUDA memory gauges", self.model)
 
     def _metric(self, family: str, labels: tuple):
         key = (family, labels)

@@ -140,7 +140,12 @@ class _Adapter:
             # Triton kernels launch on the current device: make it this instance's GPU.
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
-        self.metrics = ModelMetrics(pb_utils, self.name)
+        memory = None
+        if self.settings.device.startswith("cuda"):
+            device = torch.device(self.settings.device)
+            memory = lambda: {"allocated": float(torch.cuda.memory_allocated(device)),  # noqa: E731
+                              "reserved": float(torch.cuda.memory_reserved(device))}
+        self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory)
         self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))

@@ -26,12 +26,15 @@ class FakePbUtils:
                     raise RuntimeError("server busy")
                 outer.sent.append(("inc", self.family, tuple(sorted(self.labels.items())), value))
 
+            def set(self, value):
+                outer.sent.append(("set", self.family, tuple(sorted(self.labels.items())), value))
+
             def observe(self, value):
                 outer.threads.add(threading.current_thread().name)
                 outer.sent.append(("obs", self.family, tuple(sorted(self.labels.items())), value))
 
         class MetricFamily:
-            COUNTER, HISTOGRAM = "counter", "histogram"
+            COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
             def __init__(self, name, description, kind):
                 self.name = name
@@ -99,3 +102,23 @@ def test_a_sender_that_cannot_start_costs_no_request(monkeypatch, caplog):
     assert m._thread is not None
     m.close()
     assert sorted(v for kind, *_, v in pb.sent if kind == "obs") == [0.001, 0.002]
+
+
+def test_cuda_memory_gauges_per_instance_set_when_they_change():
+    pb = FakePbUtils()
+    readings = iter([{"allocated": 100.0, "reserved": 200.0}, {"allocated": 100.0, "reserved": 200.0},
+                     {"allocated": 150.0, "reserved": 200.0}])
+    m = ModelMetrics(pb, "kimi_preprocess", flush_s=3600, instance="kimi_preprocess_0_1", memory=lambda: next(readings))
+    for _ in range(3):
+        m.send_memory()
+    labels = lambda kind: (("instance", "kimi_preprocess_0_1"), ("kind", kind), ("model", "kimi_preprocess"))
+    assert pb.sent == [("set", "kimi_vision_cuda_memory_bytes", labels("allocated"), 100.0),
+                       ("set", "kimi_vision_cuda_memory_bytes", labels("reserved"), 200.0),
+                       ("set", "kimi_vision_cuda_memory_bytes", labels("allocated"), 150.0)]  # unchanged: not re-sent
+    m.close()
+
+
+def test_no_gauge_family_without_a_gpu():
+    m = ModelMetrics(FakePbUtils(), "kimi_placeholder", flush_s=3600)
+    assert "kimi_vision_cuda_memory_bytes" not in m._families
+    m.close()
