@@ -40,7 +40,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=60)
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     junk = np.zeros(64 << 20, np.uint8)
 
     def sweep(seconds: float) -> None:

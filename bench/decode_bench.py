@@ -32,7 +32,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     dec = GpuJpegDecoder(torch.device("cuda"))
     lines = ["# Exact JPEG decoding on the GPU vs Pillow\n", f"{machine_line()}; Pillow {Image.__version__}\n"]
     results = {"gpu_decode_on": dec.enabled, "off_reason": dec.off_reason}

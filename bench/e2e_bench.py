@@ -119,7 +119,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
     requests = case_requests(dep)
 

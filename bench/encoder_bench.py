@@ -136,7 +136,6 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rope-only", action="store_true", help="only the RoPE kernel measurements")
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     peak = matmul_peak_tflops()
     bw = copy_bandwidth_gbs()
     lines = [f"# Encoder benchmark\n\n{machine_line()}\n",

@@ -71,7 +71,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     media = MediaConfig()
     results, lines = {}, [f"# Preprocessing benchmark\n\n{machine_line()}\n"]
     for label, subsampling in (("4:2:0", 2), ("4:4:4", 0)):

@@ -143,22 +143,12 @@ if triton is not None:
         tl.store(out + 2, tl.minimum(tl.maximum(b, 0), 255).to(tl.uint8), mask=mask)
 
 
-def ycc_to_rgb(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor, fx: int, fy: int,
-               out: torch.Tensor | None = None, block: int = 256) -> torch.Tensor:
-    """The Triton kernel: same arguments and result as `ycc_to_rgb_reference`. Planes may be row-strided
-    views (unit stride within a row); `out`, if given, is a contiguous (H, W, 3) uint8 tensor."""
-    _check(y, cb, cr, fx, fy)
-    if out is not None:
-        out = out.unsqueeze(0)
-    return ycc_to_rgb_batch(y.unsqueeze(0), cb.unsqueeze(0), cr.unsqueeze(0), fx, fy, out=out, block=block)[0]
-
-
 def ycc_to_rgb_batch(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor, fx: int, fy: int,
-                     out: torch.Tensor | None = None, block: int = 256) -> torch.Tensor:
-    """N same-shaped images in one launch: Y (N, H, W), Cb and Cr (N, dh, dw), strided views (unit stride
-    within a row; Cb and Cr with the same strides) -> (N, H, W, 3) uint8, image k equal to
-    `ycc_to_rgb(y[k], cb[k], cr[k], fx, fy)`. One launch instead of N: on a GPU the launches, not the
-    kernels, are what eight small images cost."""
+                     block: int = 256) -> torch.Tensor:
+    """The Triton kernel, for N same-shaped images in one launch: Y (N, H, W), Cb and Cr (N, dh, dw),
+    strided views (unit stride within a row; Cb and Cr with the same strides) -> (N, H, W, 3) uint8,
+    image k equal to `ycc_to_rgb_reference(y[k], cb[k], cr[k], fx, fy)`. One launch instead of N: on a
+    GPU the launches, not the kernels, are what eight small images cost."""
     if y.dim() != 3 or cb.dim() != 3 or cr.dim() != 3 or not (y.shape[0] == cb.shape[0] == cr.shape[0]):
         raise ValueError(f"planes must be (N, rows, cols) with the same N, got {tuple(y.shape)}, "
                          f"{tuple(cb.shape)}, {tuple(cr.shape)}")
@@ -166,10 +156,7 @@ def ycc_to_rgb_batch(y: torch.Tensor, cb: torch.Tensor, cr: torch.Tensor, fx: in
     h, w, dh, dw = _check(y[0], cb[0], cr[0], fx, fy) if n else (y.shape[1], y.shape[2], 0, 0)
     if y.stride(2) != 1 or cb.stride(2) != 1 or cr.stride(2) != 1 or cb.stride()[:2] != cr.stride()[:2]:
         raise ValueError("planes need unit stride within a row, and Cb and Cr the same strides")
-    if out is None:
-        out = torch.empty((n, h, w, 3), dtype=torch.uint8, device=y.device)
-    elif tuple(out.shape) != (n, h, w, 3) or out.dtype != torch.uint8 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous ({n}, {h}, {w}, 3) uint8 tensor, got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty((n, h, w, 3), dtype=torch.uint8, device=y.device)
     if n and h and w:
         grid = (h, triton.cdiv(w, block), n)
         _ycc_rgb_kernel[grid](y, cb, cr, out, h, w, dh, dw, y.stride(1), cb.stride(1), y.stride(0), cb.stride(0),

@@ -62,8 +62,9 @@ class ExecuteProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
         self.prof = profile(activities=activities) if self.torch else contextlib.nullcontext()
         self.prof.__enter__()
-        # torch's profiler sees torch ops only; cProfile sees the Python around them (IPC calls to
-        # the server such as is_cancelled() and metric updates, header reads, conversions).
+        # torch's profiler sees torch ops only; cProfile sees the Python around them on this thread
+        # (IPC calls to the server such as is_cancelled(), header reads, conversions; our metric
+        # updates go out from their own thread, backends/serving/metrics.py).
         self.py = cProfile.Profile()
         self.py.enable()
 

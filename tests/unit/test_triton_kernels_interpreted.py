@@ -93,7 +93,7 @@ for w, h, t in [(30, 20, 1), (57, 41, 2), (28, 28, 1), (1, 1, 1), (100, 3, 4)]:
     got = normalize_patchify(img, table, *shape, torch.bfloat16)
     torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=torch.finfo(torch.bfloat16).eps, atol=1e-30)
 
-from backends.kernels.jpeg_color import ycc_to_rgb, ycc_to_rgb_batch, ycc_to_rgb_reference
+from backends.kernels.jpeg_color import ycc_to_rgb_batch, ycc_to_rgb_reference
 
 gen = torch.Generator().manual_seed(5)
 for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
@@ -102,7 +102,8 @@ for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
         y = torch.randint(0, 256, (h, w + 3), dtype=torch.uint8, generator=gen)[:, :w]  # a row pitch wider than w
         cb = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
         cr = torch.randint(0, 256, (dh, dw + 1), dtype=torch.uint8, generator=gen)[:, :dw]
-        assert torch.equal(ycc_to_rgb(y, cb, cr, fx, fy, block=64), ycc_to_rgb_reference(y, cb, cr, fx, fy)), (fx, fy, h, w)
+        one = ycc_to_rgb_batch(y[None], cb[None], cr[None], fx, fy, block=64)[0]  # a batch of one image
+        assert torch.equal(one, ycc_to_rgb_reference(y, cb, cr, fx, fy)), (fx, fy, h, w)
     # A batch as decode_planes lays it out: per image Y, Cb, Cr back to back in one buffer.
     h, w, n = 9, 14, 3
     dh, dw = -(-h // fy), -(-w // fx)
