@@ -5,8 +5,9 @@ gigabytes (a 128x128-grid position table is 75 MB in fp32)."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -15,6 +16,8 @@ import torch
 # replay, so the graph must hold them even after the cache evicts them (see hold_tables_for_graph).
 # Per thread: a capture collects what its own forward asks for.
 _local = threading.local()
+# Every cache made, for held_bytes' accounting (weak: a cache goes when its model goes).
+_CACHES: weakref.WeakSet = weakref.WeakSet()
 
 
 def _graph_holds() -> list[list[torch.Tensor]]:
@@ -39,6 +42,11 @@ class TensorCache:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._items: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        _CACHES.add(self)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tables kept now (a snapshot: safe to walk while another thread fills the cache)."""
+        return snapshot(self._items.values)
 
     def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         table = self._items.get(key)
@@ -67,3 +75,32 @@ class TensorCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def snapshot(values: Callable[[], Iterable]) -> list:
+    # Another thread (the metrics sender) may read while the request thread changes the dict, which
+    # makes list() raise; a few tries always succeed in practice, and an empty answer is harmless.
+    for _ in range(5):
+        try:
+            return list(values())
+        except RuntimeError:
+            continue
+    return []
+
+
+def cached_tensors() -> Iterator[torch.Tensor]:
+    """The tables every TensorCache in this process keeps."""
+    for cache in snapshot(lambda: _CACHES):
+        yield from cache.tensors()
+
+
+def held_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (on `device`, if given): a table held by a cache
+    and a graph at once, or two views of one buffer, count once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if device is not None and t.device != device:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

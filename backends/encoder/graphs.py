@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.encoder.cache import hold_tables_for_graph
+from backends.encoder.cache import snapshot, hold_tables_for_graph
 from backends.encoder.metadata import ForwardMetadata, as_grid_list, check_pixels
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,14 @@ class GraphedEncoder:
         self.replays += 1
         # The static output is overwritten by the next replay: hand out a copy.
         return captured.out.clone()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What the captured graphs keep alive outside their memory pool: static input and output,
+        metadata, tables. Bounded by max_graphs; the soak tells this from a leak (bench/soak.py)."""
+        held = []
+        for c in snapshot(self.graphs.values):
+            held += [c.pixels, c.out, c.meta.cu_seqlens, c.meta.rope, *c.tables]
+        return held
 
     def _capture(self, pixel_values: torch.Tensor, grids) -> _Captured:
         while len(self.graphs) >= self.max_graphs:

@@ -12,8 +12,10 @@ them).
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
 
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
-  that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second.
-  Allocated that keeps growing is a leak; reserved that grows while allocated does not is the cache.
+  that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
+  in moonvit3d also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
+  per-grid tables), which grows towards its bounds as new shapes arrive. Allocated minus cached that
+  keeps growing is a leak; reserved that grows while allocated does not is the allocator's cache.
 
 They reach the server from a sender thread, at most ModelMetrics.FLUSH_S after the request.
 """
@@ -59,8 +61,8 @@ class ModelMetrics:
 
     def __init__(self, pb_utils, model: str, flush_s: float | None = None, instance: str = "",
                  memory: Callable[[], dict[str, float]] | None = None):
-        """memory, if given (GPU instances): returns {"allocated": bytes, "reserved": bytes}; the sender
-        sets the gauges from it every MEMORY_EVERY_S."""
+        """memory, if given (GPU instances): returns {"allocated": bytes, "reserved": bytes} and, for the
+        encoder, "cached"; the sender sets the gauges from it every MEMORY_EVERY_S."""
         self.model, self.instance, self.memory = model, instance, memory
         self._memory_sent: dict[str, float] = {}
         self._memory_at = float("-inf")
@@ -82,7 +84,7 @@ class ModelMetrics:
             ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
             ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
             ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
-             "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved"),
+             "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved, cached"),
         ):
             if kind is None:
                 continue

@@ -178,6 +178,15 @@ class EncoderStep:
             self.forward = GraphedEncoder(model, max_graphs=cuda_graphs)
         self.merge_tokens = model.cfg.merge_tokens
 
+    def cached_bytes(self) -> int:
+        """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers and the per-grid
+        tables (RoPE, resized position embeddings). They grow towards their bounds as new shapes
+        arrive; allocated memory beyond them that grows is a leak."""
+        from backends.encoder.cache import cached_tensors, held_bytes
+
+        graphs = getattr(self.forward, "held_tensors", list)()
+        return held_bytes([*graphs, *cached_tensors()], device=self.model.device)
+
     def check(self, req: EncoderRequest) -> None:
         grid = np.asarray(req.grid_thws)
         if grid.ndim != 2 or grid.shape[1] != 3:

@@ -140,11 +140,7 @@ class _Adapter:
             # Triton kernels launch on the current device: make it this instance's GPU.
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
-        memory = None
-        if self.settings.device.startswith("cuda"):
-            device = torch.device(self.settings.device)
-            memory = lambda: {"allocated": float(torch.cuda.memory_allocated(device)),  # noqa: E731
-                              "reserved": float(torch.cuda.memory_reserved(device))}
+        memory = self._cuda_memory if self.settings.device.startswith("cuda") else None
         self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory)
         self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
@@ -153,6 +149,17 @@ class _Adapter:
         self.forwarded = [o["name"][: -len(FORWARD_SUFFIX)] for o in self.config["output"]
                           if o["name"].endswith(FORWARD_SUFFIX)]
         self.setup()
+
+    def _cuda_memory(self) -> dict[str, float]:
+        """The allocator's gauges, and what our bounded caches hold where the step has any (the sender
+        thread calls this; the step may not exist yet)."""
+        device = torch.device(self.settings.device)
+        out = {"allocated": float(torch.cuda.memory_allocated(device)),
+               "reserved": float(torch.cuda.memory_reserved(device))}
+        cached = getattr(getattr(self, "step", None), "cached_bytes", None)
+        if cached is not None:
+            out["cached"] = float(cached())
+        return out
 
     def inputs(self, request) -> _Inputs:
         return _Inputs(request, *self.probe)

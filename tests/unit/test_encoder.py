@@ -206,6 +206,38 @@ def test_a_graphed_call_with_the_wrong_pixel_count_fails_like_the_model():
     assert graphed.replays == 0
 
 
+def test_held_bytes_counts_each_storage_once():
+    from backends.encoder.cache import held_bytes
+
+    table = torch.zeros(100)  # 400 bytes
+    other = torch.zeros(10, dtype=torch.float64)  # 80 bytes
+    # A view of a table, and a table held twice (by a cache and a graph), count once.
+    assert held_bytes([table, table[10:20], table, other]) == 480
+    assert held_bytes([table], device=torch.device("meta")) == 0  # only the asked device's
+
+
+def test_encoder_step_reports_what_its_caches_hold():
+    """moonvit3d's `cached` gauge: the per-grid tables of a forward, plus what graphs keep alive."""
+    from types import SimpleNamespace
+
+    from backends.encoder.cache import cached_tensors, held_bytes
+    from backends.encoder.graphs import GraphedEncoder, _Captured
+
+    model = seeded_model(CFG)
+    step = EncoderStep(model)
+    before = step.cached_bytes()
+    step.run_batch([EncoderRequest(torch.randn(60, 3, 14, 14), np.array([[1, 6, 10]]))])
+    tables = held_bytes(cached_tensors(), device=model.device)
+    assert step.cached_bytes() == tables > before  # a new grid's RoPE and position tables
+
+    graphed = GraphedEncoder(_CudaLookingModel())
+    meta = SimpleNamespace(cu_seqlens=torch.zeros(2, dtype=torch.int32), rope=torch.zeros(24, 4))
+    graphed.graphs[((1, 4, 6),)] = _Captured(None, torch.zeros(24, 3, 14, 14), torch.zeros(6, 8), meta, [])
+    step.forward = graphed
+    graph_bytes = (24 * 3 * 14 * 14 + 6 * 8 + 24 * 4 + 2) * 4
+    assert step.cached_bytes() == tables + graph_bytes
+
+
 def test_cudnn_first_is_asked_only_where_torch_can_be_asked():
     """sdpa_kernel's set_priority exists from torch 2.7; the container's torch 2.5.1 lacks it, and
     passing it there would fail every forward on the GPU."""
