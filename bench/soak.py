@@ -129,28 +129,39 @@ def cuda_allocator(server) -> dict[str, float]:
     `uncached` = alloc - cached. Growing `gpu` with flat `alloc` is the allocator's cache filling;
     growing `alloc` with flat `uncached` is our caches filling towards their bounds; only `uncached`
     growing is a leak. Empty on CPU."""
+    out: dict[str, float] = {}
+    for (_, key), mib in allocator_by_instance(server).items():
+        out[key] = out.get(key, 0.0) + mib
+    if "alloc" in out and "cached" in out:
+        out["uncached"] = out["alloc"] - out["cached"]
+    return out
+
+
+def allocator_by_instance(server) -> dict[tuple[str, str], float]:
+    """(model instance, alloc | reserved | cached) -> MiB, from the kimi_vision_cuda_memory_bytes gauges."""
     try:
         with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
             samples = parse_metrics(r.read().decode())
     except OSError:
         return {}
-    out: dict[str, float] = {}
+    out = {}
     for name, labels, value in samples:
         if name == "kimi_vision_cuda_memory_bytes":
             key = {"allocated": "alloc", "reserved": "reserved", "cached": "cached"}.get(labels.get("kind", ""))
             if key:
-                out[key] = out.get(key, 0.0) + value / 2**20
-    if "alloc" in out and "cached" in out:
-        out["uncached"] = out["alloc"] - out["cached"]
+                out[(labels.get("instance") or labels.get("model", "?"), key)] = value / 2**20
     return out
 
 
 def idle_memory(server) -> dict[str, float]:
     """memory() once the stubs' gauges have caught up with an idle server (they are set about once a
     second, ModelMetrics.MEMORY_EVERY_S): no request's tensors are in flight, so `uncached` compares
-    across idle moments without the noise of the samples taken under load."""
+    across idle moments without the noise of the samples taken under load. Also keeps the gauges per
+    model instance, under "instances", to tell which stub holds what."""
     time.sleep(2.5)
-    return memory(server)
+    out = memory(server)
+    out["instances"] = allocator_by_instance(server)
+    return out
 
 
 def _mib(sample: dict, key: str) -> str:
@@ -252,6 +263,17 @@ def main(argv=None) -> int:
         ok = abs(b - a) <= max(args.tolerance * a, IDLE_SLACK_MIB)
         verdict.append(f"uncached at idle: {a:.0f} MiB after warm-up, {b:.0f} MiB after the run "
                        f"({'flat' if ok else 'NOT flat'}; slack {IDLE_SLACK_MIB} MiB or {args.tolerance:.0%})")
+    instances = sorted({i for i, _ in after_small.get("instances", {})} | {i for i, _ in after_run.get("instances", {})})
+    if instances:
+        lines += ["", "## CUDA allocator per model instance at idle (MiB): after 200 small requests -> after the run", "",
+                  "| instance | alloc | cached | reserved |", "|---|---|---|---|"]
+        for inst in instances:
+            cells = []
+            for key in ("alloc", "cached", "reserved"):
+                a, b = after_small.get("instances", {}).get((inst, key)), after_run.get("instances", {}).get((inst, key))
+                cells.append("-" if a is None and b is None else
+                             f"{'-' if a is None else f'{a:.0f}'} -> {'-' if b is None else f'{b:.0f}'}")
+            lines.append(f"| {inst} | " + " | ".join(cells) + " |")
     lines += ["", "## Outcomes", "", "| request | outcome | count |", "|---|---|---|"]
     lines += [f"| {label} | {outcome} | {n} |" for (label, outcome), n in sorted(counts.items())]
     good_failed = sum(n for (label, outcome), n in counts.items() if outcome == "failed")

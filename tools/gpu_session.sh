@@ -9,7 +9,8 @@
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
-#   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py)
+#   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
+#   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
 set -uo pipefail
@@ -56,10 +57,10 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-save() {  # at most 8 files come back: the summaries, and everything in one archive
+save() {  # few files come back (the device tool's limit): the summaries, and everything in one archive
   cp build/tritonserver-*.log "$out/" 2>/dev/null
   [[ -n "${OUT:-}" ]] || return 0
-  for f in gpu_tests.log decode_bench.md stage_bench.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md; do
+  for f in gpu_tests.log decode_bench.md stage_bench.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md; do
     [[ -f "$out/$f" ]] && cp "$out/$f" "$OUT/"
   done
   tar -czf "$OUT/results.tgz" -C "$out" .
@@ -105,6 +106,7 @@ for stage in "$@"; do
       for f in "$out"/profile/moonvit3d-*.txt "$out"/profile/kimi_preprocess-*.txt; do
         [[ -f $f ]] && head -22 "$f" | cut -c1-58,100-140
       done ;;
+    memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
