@@ -52,6 +52,7 @@ class GraphedEncoder:
         # a graph, False = their capture failed, stay eager.
         self.seen: OrderedDict[tuple, bool] = OrderedDict()
         self.pool = None
+        self._side: torch.cuda.Stream | None = None  # the warm-up stream, made at the first capture
         self.captures = 0
         self.replays = 0
 
@@ -102,7 +103,13 @@ class GraphedEncoder:
         meta = model.metadata(grids)  # host work and its uploads happen outside the capture
         static = pixel_values.to(model.dtype).clone()
         # Warm up on a side stream (as torch.cuda.graphs recommends): caches filled, kernels compiled.
-        side = torch.cuda.Stream(device=model.device)
+        # One stream for every capture: torch keeps a cuBLAS workspace (~32 MiB on an H200) for each
+        # stream a matmul ever ran on, and a new torch.cuda.Stream() per capture cycles through torch's
+        # pool of 32 streams, so allocated memory grew by a workspace per capture up to ~1 GiB
+        # (bench/results/h200-2026-12-01-fifth.md, "A leak that was a cache").
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=model.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):
             model(static, meta)

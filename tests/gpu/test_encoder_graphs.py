@@ -99,3 +99,28 @@ def test_a_replay_does_not_sync_the_device(model):
         graphed(x, grids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model):
+    """Memory the encoder keeps beyond what its caches report (EncoderStep.cached_bytes) must not grow
+    with captures: each capture once warmed up on a new stream, and torch keeps a cuBLAS workspace
+    per stream, so allocated memory grew ~32 MiB per capture up to torch's 32 pooled streams."""
+    from backends.serving.steps import EncoderStep
+
+    step = EncoderStep(model, cuda_graphs=2)
+    graphed = step.forward
+
+    def uncached():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated() - step.cached_bytes()
+
+    sizes = [(1, 2 * (4 + k), 8) for k in range(12)]
+    for k, grids in enumerate(sizes[:2]):  # the first captures: the warm-up stream's one workspace
+        for _ in range(2):
+            graphed(pixels([grids], k), [grids])
+    base = uncached()
+    for k, grids in enumerate(sizes[2:]):  # ten more captures, each evicting an older graph
+        for _ in range(2):
+            graphed(pixels([grids], 50 + k), [grids])
+    assert graphed.captures == len(sizes) and len(graphed.graphs) == 2
+    assert uncached() - base < 16 << 20, (base, uncached())
