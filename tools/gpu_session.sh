@@ -10,6 +10,7 @@
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
+#   mps (1024^2 at c=16 without, then with CUDA MPS),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -98,6 +99,27 @@ for stage in "$@"; do
         --encoder-instances 2 --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
       cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
+    mps)  # 1024^2 at c=16, plain ensemble, without and then with CUDA MPS (the processes' kernels may
+      # then share the GPU instead of taking turns); MPS runs from /tmp pipes and is stopped after.
+      perf_setup; random_checkpoint
+      one_mps_run() {
+        python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
+          --concurrency 16 --measurement-ms 3000 --ensembles plain --shared-memory cuda --encoder-alone \
+          --out "$out/perf-1024-$1" > "$out/perf_gpu_1024_$1.log" 2>&1
+        { echo "### $1"; cat "$out/perf-1024-$1/perf_summary.md"; } >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_$1.log"
+      }
+      one_mps_run no-mps
+      if command -v nvidia-cuda-mps-control > /dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+        mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+        nvidia-cuda-mps-control -d && one_mps_run mps
+        echo quit | nvidia-cuda-mps-control; sleep 2
+        tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log 2>/dev/null
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+      else
+        echo "no nvidia-cuda-mps-control on this machine" | tee -a "$out/perf_gpu.md"
+      fi
+      cat "$out/perf_gpu.md" ;;
     perf) e2e; perfanalyzer ;;
     decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
     stages) random_checkpoint
