@@ -103,7 +103,7 @@ for stage in "$@"; do
       # then share the GPU instead of taking turns); MPS runs from /tmp pipes and is stopped after.
       perf_setup; random_checkpoint
       one_mps_run() {
-        python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
+        timeout 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
           --concurrency 16 --measurement-ms 3000 --ensembles plain --shared-memory cuda --encoder-alone \
           --out "$out/perf-1024-$1" > "$out/perf_gpu_1024_$1.log" 2>&1
         { echo "### $1"; cat "$out/perf-1024-$1/perf_summary.md"; } >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_$1.log"
