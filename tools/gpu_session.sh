@@ -10,7 +10,7 @@
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
-#   mps (1024^2 at c=16 without, then with CUDA MPS),
+#   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -101,12 +101,14 @@ for stage in "$@"; do
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
     mps)  # 1024^2 at c=16, plain ensemble, without and then with CUDA MPS (the processes' kernels may
       # then share the GPU instead of taking turns); MPS runs from /tmp pipes and is stopped after.
+      # MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16 choose other requests and levels.
       perf_setup; random_checkpoint
       one_mps_run() {
-        timeout 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
-          --concurrency 16 --measurement-ms 3000 --ensembles plain --shared-memory cuda --encoder-alone \
-          --out "$out/perf-1024-$1" > "$out/perf_gpu_1024_$1.log" 2>&1
-        { echo "### $1"; cat "$out/perf-1024-$1/perf_summary.md"; } >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_$1.log"
+        local tag=${MPS_IMAGES:-1024}-$1
+        timeout 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
+          --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
+          --shared-memory cuda --encoder-alone --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
+        { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_$tag.log"
       }
       one_mps_run no-mps
       if command -v nvidia-cuda-mps-control > /dev/null; then
