@@ -105,16 +105,22 @@ for stage in "$@"; do
       perf_setup; random_checkpoint
       one_mps_run() {
         local tag=${MPS_IMAGES:-1024}-$1
-        timeout 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
+        rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
+        # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it.
+        timeout -s INT -k 30 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
           --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
           --shared-memory cuda --encoder-alone --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
-        { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_$tag.log"
+        if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
+          { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
+        else
+          echo "### $1: no summary" >> "$out/perf_gpu.md"; tail -20 "$out/perf_gpu_$tag.log"
+        fi
       }
       one_mps_run no-mps
       if command -v nvidia-cuda-mps-control > /dev/null; then
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
         mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-        nvidia-cuda-mps-control -d && one_mps_run mps
+        if nvidia-cuda-mps-control -d; then one_mps_run mps; else echo "MPS daemon did not start" | tee -a "$out/perf_gpu.md"; fi
         echo quit | nvidia-cuda-mps-control; sleep 2
         tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log 2>/dev/null
         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

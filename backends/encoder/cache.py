@@ -16,8 +16,11 @@ import torch
 # replay, so the graph must hold them even after the cache evicts them (see hold_tables_for_graph).
 # Per thread: a capture collects what its own forward asks for.
 _local = threading.local()
-# Every cache made, for held_bytes' accounting (weak: a cache goes when its model goes).
+# Every cache made, for cached_tensors() (weak: a cache goes when its model goes).
 _CACHES: weakref.WeakSet = weakref.WeakSet()
+# Bumped whenever any cache keeps a new table (evictions only happen then): lets an owner recount
+# what the caches hold only when it may have changed (cache_version).
+_version = 0
 
 
 def _graph_holds() -> list[list[torch.Tensor]]:
@@ -45,8 +48,8 @@ class TensorCache:
         _CACHES.add(self)
 
     def tensors(self) -> list[torch.Tensor]:
-        """The tables kept now (a snapshot: safe to walk while another thread fills the cache)."""
-        return snapshot(self._items.values)
+        """The tables kept now."""
+        return list(self._items.values())
 
     def get(self, key: Hashable, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         table = self._items.get(key)
@@ -66,6 +69,7 @@ class TensorCache:
         # (and lives in the graph's private memory): never keep it for eager callers.
         capturing = table.is_cuda and torch.cuda.is_current_stream_capturing()
         if size <= self.max_bytes and not capturing:
+            _bump_version()
             while self.bytes + size > self.max_bytes:
                 _, old = self._items.popitem(last=False)
                 self.bytes -= old.numel() * old.element_size()
@@ -77,20 +81,19 @@ class TensorCache:
         return len(self._items)
 
 
-def snapshot(values: Callable[[], Iterable]) -> list:
-    # Another thread (the metrics sender) may read while the request thread changes the dict, which
-    # makes list() raise; a few tries always succeed in practice, and an empty answer is harmless.
-    for _ in range(5):
-        try:
-            return list(values())
-        except RuntimeError:
-            continue
-    return []
+def _bump_version() -> None:
+    global _version
+    _version += 1
+
+
+def cache_version() -> int:
+    """Changes whenever some TensorCache's contents may have changed."""
+    return _version
 
 
 def cached_tensors() -> Iterator[torch.Tensor]:
     """The tables every TensorCache in this process keeps."""
-    for cache in snapshot(lambda: _CACHES):
+    for cache in list(_CACHES):
         yield from cache.tensors()
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.encoder.cache import snapshot, hold_tables_for_graph
+from backends.encoder.cache import hold_tables_for_graph
 from backends.encoder.metadata import ForwardMetadata, as_grid_list, check_pixels
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,10 @@ class GraphedEncoder:
         return captured.out.clone()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """What the captured graphs keep alive outside their memory pool: static input and output,
-        metadata, tables. Bounded by max_graphs; the soak tells this from a leak (bench/soak.py)."""
+        """The tensors the captured graphs keep alive: static input and output, metadata, tables.
+        Bounded by max_graphs; the soak tells this from a leak (bench/soak.py)."""
         held = []
-        for c in snapshot(self.graphs.values):
+        for c in self.graphs.values():
             held += [c.pixels, c.out, c.meta.cu_seqlens, c.meta.rope, *c.tables]
         return held
 

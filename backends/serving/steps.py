@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
+from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
@@ -177,15 +178,24 @@ class EncoderStep:
 
             self.forward = GraphedEncoder(model, max_graphs=cuda_graphs)
         self.merge_tokens = model.cfg.merge_tokens
+        self._cached_bytes, self._cached_key = 0, None
 
     def cached_bytes(self) -> int:
         """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers and the per-grid
         tables (RoPE, resized position embeddings). They grow towards their bounds as new shapes
-        arrive; allocated memory beyond them that grows is a leak."""
-        from backends.encoder.cache import cached_tensors, held_bytes
+        arrive; allocated memory beyond them that grows is a leak.
 
-        graphs = getattr(self.forward, "held_tensors", list)()
-        return held_bytes([*graphs, *cached_tensors()], device=self.model.device)
+        Counted on the request thread after each batch, and only when a capture or a cached table may
+        have changed it; other threads (the metrics sender) read the last count and never touch the
+        graphs themselves, so no graph is ever freed on their side."""
+        return self._cached_bytes
+
+    def _count_cached(self) -> None:
+        key = (getattr(self.forward, "captures", 0), cache_version())
+        if key != self._cached_key:
+            graphs = getattr(self.forward, "held_tensors", list)()
+            self._cached_bytes = held_bytes([*graphs, *cached_tensors()], device=self.model.device)
+            self._cached_key = key
 
     def check(self, req: EncoderRequest) -> None:
         grid = np.asarray(req.grid_thws)
@@ -197,6 +207,12 @@ class EncoderStep:
             raise RequestError(str(exc), "bad_tensor") from None
 
     def run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
+        try:
+            return self._run_batch(requests)
+        finally:
+            self._count_cached()
+
+    def _run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
         good = []
         for i, req in enumerate(requests):

@@ -101,7 +101,7 @@ def test_a_replay_does_not_sync_the_device(model):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model):
+def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model, monkeypatch):
     """Memory the encoder keeps beyond what its caches report (EncoderStep.cached_bytes) must not grow
     with captures: each capture once warmed up on a new stream, and torch keeps a cuBLAS workspace
     per stream, so allocated memory grew ~32 MiB per capture up to torch's 32 pooled streams."""
@@ -109,9 +109,18 @@ def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model):
 
     step = EncoderStep(model, cuda_graphs=2)
     graphed = step.forward
+    made = []
+
+    class CountingStream(torch.cuda.Stream):
+        def __new__(cls, *args, **kwargs):
+            made.append(1)
+            return super().__new__(cls, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", CountingStream)
 
     def uncached():
         torch.cuda.synchronize()
+        step.run_batch([])  # the count is refreshed after a batch
         return torch.cuda.memory_allocated() - step.cached_bytes()
 
     sizes = [(1, 2 * (4 + k), 8) for k in range(12)]
@@ -119,8 +128,10 @@ def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model):
         for _ in range(2):
             graphed(pixels([grids], k), [grids])
     base = uncached()
+    made.clear()
     for k, grids in enumerate(sizes[2:]):  # ten more captures, each evicting an older graph
         for _ in range(2):
             graphed(pixels([grids], 50 + k), [grids])
     assert graphed.captures == len(sizes) and len(graphed.graphs) == 2
+    assert made == []  # no new stream (and so no new cuBLAS workspace) for the later captures
     assert uncached() - base < 16 << 20, (base, uncached())

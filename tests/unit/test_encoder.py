@@ -216,24 +216,35 @@ def test_held_bytes_counts_each_storage_once():
     assert held_bytes([table], device=torch.device("meta")) == 0  # only the asked device's
 
 
-def test_encoder_step_reports_what_its_caches_hold():
-    """moonvit3d's `cached` gauge: the per-grid tables of a forward, plus what graphs keep alive."""
+def test_encoder_step_reports_what_its_caches_hold(monkeypatch):
+    """moonvit3d's `cached` gauge: the per-grid tables, plus what graphs keep alive, each storage once;
+    counted after a batch, and only again when a capture or a new table may have changed it."""
     from types import SimpleNamespace
 
+    import backends.serving.steps as steps
     from backends.encoder.cache import cached_tensors, held_bytes
     from backends.encoder.graphs import GraphedEncoder, _Captured
 
     model = seeded_model(CFG)
     step = EncoderStep(model)
-    before = step.cached_bytes()
+    assert step.cached_bytes() == 0  # nothing counted before the first batch
     step.run_batch([EncoderRequest(torch.randn(60, 3, 14, 14), np.array([[1, 6, 10]]))])
     tables = held_bytes(cached_tensors(), device=model.device)
-    assert step.cached_bytes() == tables > before  # a new grid's RoPE and position tables
+    assert step.cached_bytes() == tables > 0  # this grid's RoPE and position tables among them
+
+    counts = []
+    monkeypatch.setattr(steps, "held_bytes", lambda *a, **k: counts.append(1) or held_bytes(*a, **k))
+    step.run_batch([EncoderRequest(torch.randn(60, 3, 14, 14), np.array([[1, 6, 10]]))])
+    assert counts == []  # same grid: no new table, no capture, no recount
 
     graphed = GraphedEncoder(_CudaLookingModel())
+    shared = next(iter(cached_tensors()))  # a table the graph read: held by the cache and the graph
     meta = SimpleNamespace(cu_seqlens=torch.zeros(2, dtype=torch.int32), rope=torch.zeros(24, 4))
-    graphed.graphs[((1, 4, 6),)] = _Captured(None, torch.zeros(24, 3, 14, 14), torch.zeros(6, 8), meta, [])
+    graphed.graphs[((1, 4, 6),)] = _Captured(None, torch.zeros(24, 3, 14, 14), torch.zeros(6, 8), meta, [shared])
+    graphed.captures = 1
     step.forward = graphed
+    step.run_batch([])
+    assert counts == [1]
     graph_bytes = (24 * 3 * 14 * 14 + 6 * 8 + 24 * 4 + 2) * 4
     assert step.cached_bytes() == tables + graph_bytes
 
