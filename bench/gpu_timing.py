@@ -38,14 +38,17 @@ def graph_time_ms(fn, *, iters: int = 10) -> float:
     return cuda_time_ms(graph.replay, iters=iters)
 
 
-def timed(fn, iters: int, warmup: int = 2) -> list[float]:
+def timed(fn, iters: int, warmup: int = 2, before=None) -> list[float]:
     """Wall-clock milliseconds of fn() per run (host work included); a GPU, if present, is synchronized
-    before and after each run."""
+    before and after each run. `before()`, if given, runs ahead of each timed run, untimed (an idle
+    gap, other work)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         sync()
         t0 = time.perf_counter()
         fn()

@@ -20,24 +20,15 @@ import time
 import torch
 
 from backends.config import DEMO_CONFIG, Limits
-from backends.preprocess.decode import open_image
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
-from backends.preprocess.preprocessor import Preprocessor
+from backends.preprocess.preprocessor import Preprocessor, open_images
+from bench.gpu_timing import timed
 from clients.samples import encode, photo_like
 
 
 def _ms(fn, iters: int, before=None) -> float:
-    times = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed(fn, iters, warmup=0, before=before))
 
 
 def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]:
@@ -46,12 +37,12 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
     if jpeg is None or not jpeg.enabled:
         return [f"{name}: GPU decoding is off ({getattr(jpeg, 'off_reason', 'no GPU')})"]
     dec = jpeg.decoder
-    images = [open_image(b, i, 10**9) for i, b in enumerate(blobs)]
+    images = open_images(blobs, Limits())
     infos = [dec.info(b) for b in blobs]
     for _ in range(5):
         pre(blobs)
     rows = {
-        "Pillow header parse (all images)": lambda: [open_image(b, i, 10**9) for i, b in enumerate(blobs)],
+        "Pillow header parse (all images)": lambda: open_images(blobs, Limits()),
         "nvjpegGetImageInfo (all)": lambda: [dec.info(b) for b in blobs],
         "ParseHeader + BatchedSupported (all)": lambda: [dec.unsupported(b, i) for b, i in zip(blobs, infos)],
         "DecodeBatchedInitialize": lambda: dec.lib.nvjpegDecodeBatchedInitialize(dec.handle, dec.state, len(blobs), 1,

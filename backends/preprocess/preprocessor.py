@@ -61,6 +61,13 @@ GPU_DECODE_PIXELS = 64 << 20
 _POOL_LOCK = threading.Lock()
 
 
+def open_images(blobs: Sequence[bytes], limits: Limits) -> list[Image.Image]:
+    """Every image's header, nothing decoded: too many images, garbage and bombs are refused here
+    (kimi_placeholder called with IMAGES needs no more than this)."""
+    check_image_count(len(blobs), limits)
+    return [open_image(b, i, limits.max_image_pixels) for i, b in enumerate(blobs)]
+
+
 def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
     """b is a contiguous frame of a's shape that starts where a ends, in the same tensor (the GPU decoder
     converts a run of same-sized JPEGs into one): patchified together they are one contiguous batch."""
@@ -101,9 +108,7 @@ class Preprocessor:
         return self.jpeg.stats if self.jpeg is not None else self._host_only
 
     def open(self, blobs: Sequence[bytes]) -> list[Image.Image]:
-        """Every image's header (garbage and bombs are refused here, before any pixel is decoded)."""
-        check_image_count(len(blobs), self.limits)
-        return [open_image(b, i, self.limits.max_image_pixels) for i, b in enumerate(blobs)]
+        return open_images(blobs, self.limits)
 
     def plan(self, images: Sequence[Image.Image], media_frames=None) -> list[MediaPlan]:
         return plan_media([img.size for img in images], self.media, self.limits, media_frames)

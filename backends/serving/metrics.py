@@ -38,6 +38,16 @@ MAX_PENDING_OBSERVATIONS = 100_000
 STEP_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
+def allocator_gauges(stats: dict) -> dict[str, float]:
+    """{"allocated", "reserved"} bytes from torch.cuda.memory_stats_as_nested_dict: one read of the
+    allocator's counters (memory_allocated and memory_reserved each flatten all of them). Empty stats
+    (no CUDA context yet) read as zeros; other missing keys raise, never a silent zero."""
+    if not stats:
+        return {"allocated": 0.0, "reserved": 0.0}
+    return {"allocated": float(stats["allocated_bytes"]["all"]["current"]),
+            "reserved": float(stats["reserved_bytes"]["all"]["current"])}
+
+
 def failure_kind(exc: Exception) -> str:
     if isinstance(exc, RequestError):
         return "invalid_input"

@@ -19,9 +19,8 @@ from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
-from backends.preprocess.decode import open_image
-from backends.preprocess.media import check_image_count, plan_media, split_media
-from backends.preprocess.preprocessor import Preprocessor
+from backends.preprocess.media import plan_media, split_media
+from backends.preprocess.preprocessor import Preprocessor, open_images
 from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
@@ -118,8 +117,7 @@ class PlaceholderStep:
             if images is None:
                 raise RequestError("missing input: IMAGES (or IMAGE_TOKEN_COUNTS)", "bad_tensor")
             ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
-            check_image_count(len(images), self.limits)  # before any header is read
-            sizes = [open_image(b, i, self.limits.max_image_pixels).size for i, b in enumerate(images)]
+            sizes = [img.size for img in open_images(images, self.limits)]
             counts = [m.plan.num_tokens for m in plan_media(sizes, self.cfg.media, self.limits, media_frames)]
         return {
             EXPANDED_IDS: expand_placeholders(ids, pad, counts),

@@ -19,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends.errors import RequestCancelled, RequestError
-from backends.serving.metrics import ModelMetrics
+from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
                       PIXEL_VALUES)
@@ -153,9 +153,7 @@ class _Adapter:
     def _cuda_memory(self) -> dict[str, float]:
         """The allocator's gauges, and what our bounded caches hold where the step has any (the sender
         thread calls this; the step may not exist yet)."""
-        device = torch.device(self.settings.device)
-        out = {"allocated": float(torch.cuda.memory_allocated(device)),
-               "reserved": float(torch.cuda.memory_reserved(device))}
+        out = allocator_gauges(torch.cuda.memory_stats_as_nested_dict(torch.device(self.settings.device)))
         cached = getattr(getattr(self, "step", None), "cached_bytes", None)
         if cached is not None:
             out["cached"] = float(cached())

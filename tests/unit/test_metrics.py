@@ -118,6 +118,21 @@ def test_cuda_memory_gauges_per_instance_set_when_they_change():
     m.close()
 
 
+def test_allocator_gauges_read_the_nested_stats_once():
+    import pytest
+
+    from backends.serving.metrics import allocator_gauges
+
+    pool = lambda n: {"current": n, "peak": 2 * n, "allocated": 3 * n, "freed": n}  # noqa: E731
+    stats = {"allocated_bytes": {"all": pool(100), "small_pool": pool(40), "large_pool": pool(60)},
+             "reserved_bytes": {"all": pool(300), "small_pool": pool(100), "large_pool": pool(200)},
+             "num_alloc_retries": 0}
+    assert allocator_gauges(stats) == {"allocated": 100.0, "reserved": 300.0}
+    assert allocator_gauges({}) == {"allocated": 0.0, "reserved": 0.0}  # no CUDA context yet
+    with pytest.raises(KeyError):  # a torch that renamed its counters: an error, never a silent zero
+        allocator_gauges({"num_alloc_retries": 0})
+
+
 def test_no_gauge_family_without_a_gpu():
     m = ModelMetrics(FakePbUtils(), "kimi_placeholder", flush_s=3600)
     assert "kimi_vision_cuda_memory_bytes" not in m._families
