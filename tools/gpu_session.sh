@@ -101,30 +101,38 @@ for stage in "$@"; do
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
     mps)  # 1024^2 at c=16, plain ensemble, without and then with CUDA MPS (the processes' kernels may
       # then share the GPU instead of taking turns); MPS runs from /tmp pipes and is stopped after.
-      # MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16 choose other requests and levels.
+      # MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16 choose other requests and levels; MPS_VARIANTS picks
+      # the runs (default "no-mps mps"; a variant ending in -2enc runs two moonvit3d instances).
       perf_setup; random_checkpoint
       one_mps_run() {
-        local tag=${MPS_IMAGES:-1024}-$1
+        local tag=${MPS_IMAGES:-1024}-$1 extra=()
+        [[ $1 == *-2enc ]] && extra=(--encoder-instances 2)
         rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
         # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it.
         timeout -s INT -k 30 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
           --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
-          --shared-memory cuda --encoder-alone --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
+          --shared-memory cuda --encoder-alone "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
         if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
           { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
         else
           echo "### $1: no summary" >> "$out/perf_gpu.md"; tail -20 "$out/perf_gpu_$tag.log"
         fi
       }
-      one_mps_run no-mps
-      if command -v nvidia-cuda-mps-control > /dev/null; then
+      variants=(${MPS_VARIANTS:-no-mps mps})
+      for v in "${variants[@]}"; do [[ $v == no-mps* ]] && one_mps_run "$v"; done
+      under=(); for v in "${variants[@]}"; do [[ $v == mps* ]] && under+=("$v"); done
+      if (( ${#under[@]} )) && command -v nvidia-cuda-mps-control > /dev/null; then
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
         mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-        if nvidia-cuda-mps-control -d; then one_mps_run mps; else echo "MPS daemon did not start" | tee -a "$out/perf_gpu.md"; fi
+        if nvidia-cuda-mps-control -d; then
+          for v in "${under[@]}"; do one_mps_run "$v"; done
+        else
+          echo "MPS daemon did not start" | tee -a "$out/perf_gpu.md"
+        fi
         echo quit | nvidia-cuda-mps-control; sleep 2
         tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log 2>/dev/null
         unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-      else
+      elif (( ${#under[@]} )); then
         echo "no nvidia-cuda-mps-control on this machine" | tee -a "$out/perf_gpu.md"
       fi
       cat "$out/perf_gpu.md" ;;

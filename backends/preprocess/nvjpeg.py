@@ -26,6 +26,8 @@ import torch
 
 NVJPEG_BACKEND_HARDWARE = 3
 NVJPEG_OUTPUT_YUV = 1
+# Bitstreams of this many decodes may stay referenced before the decoder asks the stream which it has passed.
+_QUERY_AFTER = 4
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -144,11 +146,21 @@ class HardwareJpegDecoder:
                  "nvjpegDecodeBatchedSupported")
         return None if flag.value == 0 else "not decodable by the hardware decoder (e.g. progressive)"
 
+    def _release_bitstreams(self) -> None:
+        """Drops the bitstreams of decodes the stream has passed. Decodes run in order on one stream, so
+        when the newest has passed, all have: one event query per few decodes, not one per decode."""
+        if len(self._in_flight) < _QUERY_AFTER:
+            return
+        if self._in_flight[-1][0].query():
+            self._in_flight.clear()
+            return
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+
     def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
         """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
         batched hardware decode on the current stream (no host sync)."""
-        while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()
+        self._release_bitstreams()
         sizes = [[w * h for w, h in zip(i.widths, i.heights)] for i in infos]
         slack = 1 << 16  # room past the last plane, should the decoder write whole MCU rows
         buffer = torch.empty(sum(map(sum, sizes)) + slack, dtype=torch.uint8, device=self.device)

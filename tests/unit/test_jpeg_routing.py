@@ -123,3 +123,41 @@ def test_runs_group_consecutive_same_shaped_images_at_one_spacing():
     # Not evenly spaced (a gap before image 2): a new run.
     planes[2] = [buf[900 + k * 4: 900 + k * 4 + p.numel()].view(p.shape) for k, p in enumerate(planes[2])]
     assert _same_shape_runs(infos, planes)[:2] == [[0, 1], [2]]
+
+
+class _Event:
+    """A recorded event the test decides has or has not been passed by the stream; counts queries."""
+
+    def __init__(self, done, queries):
+        self.done, self.queries = done, queries
+
+    def query(self):
+        self.queries.append(1)
+        return self.done
+
+
+def _decoder_with(done_flags):
+    from backends.preprocess.nvjpeg import HardwareJpegDecoder
+    from collections import deque
+
+    dec = HardwareJpegDecoder.__new__(HardwareJpegDecoder)  # no CUDA needed for the bookkeeping
+    queries = []
+    dec._in_flight = deque((_Event(done, queries), [bytes([k])]) for k, done in enumerate(done_flags))
+    return dec, queries
+
+
+def test_bitstreams_stay_referenced_until_the_stream_has_passed_their_decode():
+    from backends.preprocess.nvjpeg import _QUERY_AFTER
+
+    few, queries = _decoder_with([True] * (_QUERY_AFTER - 1))
+    few._release_bitstreams()
+    assert len(few._in_flight) == _QUERY_AFTER - 1 and queries == []  # too few to ask
+
+    passed, queries = _decoder_with([True] * _QUERY_AFTER)
+    passed._release_bitstreams()
+    assert len(passed._in_flight) == 0 and len(queries) == 1  # the newest passed: all did, one query
+
+    # The stream is still on the third decode: the first two are dropped, the rest stay referenced.
+    busy, queries = _decoder_with([True, True] + [False] * (_QUERY_AFTER - 1))
+    busy._release_bitstreams()
+    assert [data for _, data in busy._in_flight] == [[bytes([k])] for k in range(2, _QUERY_AFTER + 1)]
