@@ -1,0 +1,55 @@
+"""Holds Linux's CPU wake-up latency limit at 0 while it runs: cores stop entering deep idle states.
+
+A server stub sleeps while the encoder runs (about 20 ms a request) and then has a few milliseconds of
+Python to do; a core waking from a deep idle state, with cold caches, does that work slower. Writing a
+32-bit limit in microseconds to /dev/cpu_dma_latency and keeping the file open is the kernel's PM QoS
+interface for this (what tuned's latency-performance profile does); the limit ends when the file closes.
+It costs power on every core. Needs write access to the device file (root, or a container given it).
+
+    python -m tools.cpu_latency            # hold until interrupted
+    python -m tools.cpu_latency --check    # say whether this machine allows it, then exit
+"""
+
+import argparse
+import os
+import signal
+import struct
+import sys
+
+DEVICE = "/dev/cpu_dma_latency"
+
+
+def hold(limit_us: int = 0) -> int:
+    """Opens the device, writes the limit and returns the open descriptor (close it to release)."""
+    fd = os.open(DEVICE, os.O_WRONLY)
+    try:
+        os.write(fd, struct.pack("i", limit_us))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit-us", type=int, default=0)
+    ap.add_argument("--check", action="store_true", help="hold for an instant, report, exit")
+    args = ap.parse_args(argv)
+    try:
+        fd = hold(args.limit_us)
+    except OSError as exc:
+        print(f"cpu_latency: cannot hold {DEVICE}: {exc}", file=sys.stderr)
+        return 1
+    print(f"cpu_latency: holding {DEVICE} at {args.limit_us} us", flush=True)
+    if not args.check:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+    os.close(fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
