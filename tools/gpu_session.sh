@@ -11,7 +11,7 @@
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
 #   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY),
-#   cpulat (the stage table without / with / without tools/cpu_latency holding CPUs out of deep idle),
+#   cpulat (the stage table without / with / without backends/deploy/cpu_latency holding CPUs out of deep idle),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -145,12 +145,12 @@ for stage in "$@"; do
       for f in "$out"/profile/moonvit3d-*.txt "$out"/profile/kimi_preprocess-*.txt; do
         [[ -f $f ]] && head -22 "$f" | cut -c1-58,100-140
       done ;;
-    cpulat)  # the stage table without, with and again without tools/cpu_latency (no deep CPU idle states)
+    cpulat)  # the stage table without, with and again without backends/deploy/cpu_latency (no deep CPU idle states)
       random_checkpoint; : > "$out/stage_cpulat.md"
       for v in without with without; do
         holder=
         if [[ $v == with ]]; then
-          python3 -m tools.cpu_latency & holder=$!; sleep 1
+          python3 -m backends.deploy.cpu_latency & holder=$!; sleep 1
           kill -0 $holder 2> /dev/null || { echo "cpu_latency could not hold" | tee -a "$out/stage_cpulat.md"; continue; }
         fi
         python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" ${STAGE_ARGS:-} > "$out/stage_bench_$v.log" 2>&1

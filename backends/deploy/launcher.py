@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.deploy import cpu_latency
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
@@ -409,8 +410,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
+    ap.add_argument("--cpu-latency-us", type=int,
+                    default=int(os.environ["KIMI_CPU_LATENCY_US"]) if os.environ.get("KIMI_CPU_LATENCY_US") else None,
+                    help="hold the host's CPU wake-up latency limit (/dev/cpu_dma_latency) at this many "
+                         "microseconds while serving; 0 keeps cores out of deep idle states (faster stubs after "
+                         "an idle gap, more power). Off by default; needs write access to the device")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
+
+
+def hold_cpu_latency(limit_us: int | None, path: str = cpu_latency.DEVICE) -> int | None:
+    """The open descriptor that holds the limit for the launcher's lifetime, or None: not asked for, or
+    not allowed here (then a warning says so and the server runs without it)."""
+    if limit_us is None:
+        return None
+    try:
+        fd = cpu_latency.hold(limit_us, path)
+    except OSError as exc:
+        print(f"warning: --cpu-latency-us {limit_us}: cannot hold {path} ({exc}); serving without it", flush=True)
+        return None
+    print(f"holding the CPU wake-up latency limit at {limit_us} us ({path}) while serving", flush=True)
+    return fd
 
 
 def main(argv=None) -> int:
@@ -428,6 +448,7 @@ def main(argv=None) -> int:
     if device == "cpu" and gpu_count() == 0:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
+    latency_hold = hold_cpu_latency(args.cpu_latency_us)  # released when this process exits
     stop = threading.Event()
 
     def on_signal(*_):  # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests and exit
@@ -446,6 +467,8 @@ def main(argv=None) -> int:
     print("ready", flush=True)
     stop.wait()
     server.stop()
+    if latency_hold is not None:
+        os.close(latency_hold)
     return 0
 
 

@@ -6,8 +6,11 @@ Python to do; a core waking from a deep idle state, with cold caches, does that 
 interface for this (what tuned's latency-performance profile does); the limit ends when the file closes.
 It costs power on every core. Needs write access to the device file (root, or a container given it).
 
-    python -m tools.cpu_latency            # hold until interrupted
-    python -m tools.cpu_latency --check    # say whether this machine allows it, then exit
+    python -m backends.deploy.cpu_latency            # hold until interrupted
+    python -m backends.deploy.cpu_latency --check    # say whether this machine allows it, then exit
+
+The launcher holds it for the server's lifetime with --cpu-latency-us 0 (KIMI_CPU_LATENCY_US=0).
+Measured on the H200 machine: bench/results/h200-2026-12-01-sixth.md#cpu-wake-up-latency.
 """
 
 import argparse
@@ -19,9 +22,11 @@ import sys
 DEVICE = "/dev/cpu_dma_latency"
 
 
-def hold(limit_us: int = 0) -> int:
+def hold(limit_us: int = 0, path: str = DEVICE) -> int:
     """Opens the device, writes the limit and returns the open descriptor (close it to release)."""
-    fd = os.open(DEVICE, os.O_WRONLY)
+    if limit_us < 0:
+        raise ValueError(f"a CPU wake-up latency limit is microseconds >= 0, got {limit_us}")
+    fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, struct.pack("i", limit_us))
     except OSError:
