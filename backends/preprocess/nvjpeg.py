@@ -26,8 +26,10 @@ import torch
 
 NVJPEG_BACKEND_HARDWARE = 3
 NVJPEG_OUTPUT_YUV = 1
-# Bitstreams of this many decodes may stay referenced before the decoder asks the stream which it has passed.
+# Bitstreams of this many decodes, or this many bytes of them (a request of large JPEGs), may stay
+# referenced before the decoder asks the stream which decodes it has passed.
 _QUERY_AFTER = 4
+_QUERY_AFTER_BYTES = 16 << 20
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -122,6 +124,7 @@ class HardwareJpegDecoder:
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
         # Bitstreams stay referenced until the stream has passed the decode that reads them.
         self._in_flight: deque[tuple[torch.cuda.Event, list[bytes]]] = deque()
+        self._held_bytes = 0
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -149,13 +152,15 @@ class HardwareJpegDecoder:
     def _release_bitstreams(self) -> None:
         """Drops the bitstreams of decodes the stream has passed. Decodes run in order on one stream, so
         when the newest has passed, all have: one event query per few decodes, not one per decode."""
-        if len(self._in_flight) < _QUERY_AFTER:
+        if len(self._in_flight) < _QUERY_AFTER and self._held_bytes < _QUERY_AFTER_BYTES:
             return
         if self._in_flight[-1][0].query():
             self._in_flight.clear()
+            self._held_bytes = 0
             return
         while self._in_flight and self._in_flight[0][0].query():
-            self._in_flight.popleft()
+            _, datas = self._in_flight.popleft()
+            self._held_bytes -= sum(map(len, datas))
 
     def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
         """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
@@ -184,4 +189,5 @@ class HardwareJpegDecoder:
         event = torch.cuda.Event()
         event.record(stream)
         self._in_flight.append((event, list(datas)))
+        self._held_bytes += sum(map(len, datas))
         return planes
