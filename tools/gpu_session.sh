@@ -11,7 +11,8 @@
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
 #   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY),
-#   cpulat (the stage table without / with / without backends/deploy/cpu_latency holding CPUs out of deep idle),
+#   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
+#   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -120,6 +121,9 @@ for stage in "$@"; do
         fi
       }
       variants=(${MPS_VARIANTS:-no-mps mps})
+      for v in "${variants[@]}"; do
+        [[ $v == no-mps* || $v == mps* ]] || echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"
+      done
       for v in "${variants[@]}"; do [[ $v == no-mps* ]] && one_mps_run "$v"; done
       under=(); for v in "${variants[@]}"; do [[ $v == mps* ]] && under+=("$v"); done
       if (( ${#under[@]} )) && command -v nvidia-cuda-mps-control > /dev/null; then
@@ -145,17 +149,27 @@ for stage in "$@"; do
       for f in "$out"/profile/moonvit3d-*.txt "$out"/profile/kimi_preprocess-*.txt; do
         [[ -f $f ]] && head -22 "$f" | cut -c1-58,100-140
       done ;;
-    cpulat)  # the stage table without, with and again without backends/deploy/cpu_latency (no deep CPU idle states)
+    cpulat)  # without, with and again without backends/deploy/cpu_latency holding the CPU wake-up latency
+      # limit at 0: the stage table, or with CPULAT_BENCH=perf perf_analyzer's 8x448^2 at concurrency 1.
       random_checkpoint; : > "$out/stage_cpulat.md"
+      [[ ${CPULAT_BENCH:-stages} == perf ]] && perf_setup
+      i=0
       for v in without with without; do
-        holder=
+        i=$((i + 1)); holder=; run="$out/cpulat-$i-$v"
         if [[ $v == with ]]; then
           python3 -m backends.deploy.cpu_latency & holder=$!; sleep 1
           kill -0 $holder 2> /dev/null || { echo "cpu_latency could not hold" | tee -a "$out/stage_cpulat.md"; continue; }
         fi
-        python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$out" ${STAGE_ARGS:-} > "$out/stage_bench_$v.log" 2>&1
-        [[ -n $holder ]] && kill $holder
-        { echo "### $v cpu_latency"; grep -E "^\|( case|---| 1x| 8x)" "$out/stage_bench_$v.log"; echo; } >> "$out/stage_cpulat.md"
+        if [[ ${CPULAT_BENCH:-stages} == perf ]]; then
+          timeout -s INT -k 30 150 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
+            --images 8x448 --concurrency 1 --measurement-ms 3000 --ensembles plain --shared-memory cuda --encoder-alone \
+            --out "$run" > "$run.log" 2>&1
+          { echo "### $i: $v cpu_latency"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/stage_cpulat.md"
+        else
+          python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$run" ${STAGE_ARGS:-} > "$run.log" 2>&1
+          { echo "### $i: $v cpu_latency"; grep -E "^\|( case|---| 1x| 8x)" "$run.log"; echo; } >> "$out/stage_cpulat.md"
+        fi
+        [[ -n $holder ]] && { kill $holder; wait $holder 2> /dev/null; }
       done
       cat "$out/stage_cpulat.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;

@@ -410,11 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
-    ap.add_argument("--cpu-latency-us", type=int,
-                    default=int(os.environ["KIMI_CPU_LATENCY_US"]) if os.environ.get("KIMI_CPU_LATENCY_US") else None,
+    ap.add_argument("--cpu-latency-us", type=cpu_latency.limit, default=os.environ.get("KIMI_CPU_LATENCY_US") or None,
                     help="hold the host's CPU wake-up latency limit (/dev/cpu_dma_latency) at this many "
-                         "microseconds while serving; 0 keeps cores out of deep idle states (faster stubs after "
-                         "an idle gap, more power). Off by default; needs write access to the device")
+                         "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
+                         "states (more idle power; README: Scale out). Off by default; needs write access to "
+                         "the device")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
 

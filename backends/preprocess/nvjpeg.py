@@ -123,7 +123,7 @@ class HardwareJpegDecoder:
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
         # Bitstreams stay referenced until the stream has passed the decode that reads them.
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes]]] = deque()
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int]] = deque()  # event, bytes, stream
         self._held_bytes = 0
 
     @staticmethod
@@ -150,16 +150,18 @@ class HardwareJpegDecoder:
         return None if flag.value == 0 else "not decodable by the hardware decoder (e.g. progressive)"
 
     def _release_bitstreams(self) -> None:
-        """Drops the bitstreams of decodes the stream has passed. Decodes run in order on one stream, so
-        when the newest has passed, all have: one event query per few decodes, not one per decode."""
+        """Drops the bitstreams of decodes their stream has passed: one event query per few decodes, not
+        one per decode. Decodes on one stream run in order, so when all held decodes were issued on the
+        newest one's stream and it has passed, all have; otherwise they are released oldest first."""
         if len(self._in_flight) < _QUERY_AFTER and self._held_bytes < _QUERY_AFTER_BYTES:
             return
-        if self._in_flight[-1][0].query():
+        newest_event, _, newest_stream = self._in_flight[-1]
+        if all(stream == newest_stream for _, _, stream in self._in_flight) and newest_event.query():
             self._in_flight.clear()
             self._held_bytes = 0
             return
         while self._in_flight and self._in_flight[0][0].query():
-            _, datas = self._in_flight.popleft()
+            _, datas, _ = self._in_flight.popleft()
             self._held_bytes -= sum(map(len, datas))
 
     def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
@@ -188,6 +190,6 @@ class HardwareJpegDecoder:
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        self._in_flight.append((event, list(datas)))
+        self._in_flight.append((event, list(datas), stream.cuda_stream))
         self._held_bytes += sum(map(len, datas))
         return planes

@@ -22,11 +22,6 @@ def test_hold_writes_the_limit_as_a_32_bit_integer_and_keeps_the_file_open(tmp_p
         os.close(fd)
 
 
-def test_a_negative_limit_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="microseconds"):
-        cpu_latency.hold(-1, str(tmp_path / "x"))
-
-
 def test_launcher_leaves_the_limit_alone_unless_asked(monkeypatch):
     monkeypatch.delenv("KIMI_CPU_LATENCY_US", raising=False)
     assert build_parser().parse_args([]).cpu_latency_us is None
@@ -49,3 +44,22 @@ def test_launcher_holds_the_limit_it_was_given(tmp_path):
         assert fd is not None and dev.read_bytes() == struct.pack("i", 0)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", str(2**31), "1.5"])
+def test_a_limit_that_is_not_0_to_2_31_minus_1_microseconds_is_a_usage_error(bad, monkeypatch, capsys):
+    monkeypatch.setenv("KIMI_CPU_LATENCY_US", bad)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([])
+    assert exc.value.code == 2 and "--cpu-latency-us" in capsys.readouterr().err
+    monkeypatch.delenv("KIMI_CPU_LATENCY_US")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--cpu-latency-us", bad])
+
+
+def test_hold_refuses_a_bad_limit_before_opening_anything(tmp_path):
+    before = len(os.listdir("/proc/self/fd"))
+    for bad in (-1, 2**31):
+        with pytest.raises(ValueError, match="microseconds"):
+            cpu_latency.hold(bad, str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists() and len(os.listdir("/proc/self/fd")) == before
