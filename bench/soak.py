@@ -28,7 +28,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 
 from backends.deploy.launcher import BUILD, deployment_server, resolve_device
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import parse_metrics, processes
+from backends.deploy.supervisor import processes, scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
@@ -154,8 +153,7 @@ def cuda_allocator(instances: dict[tuple[str, str], float]) -> dict[str, float]:
 def allocator_by_instance(server) -> dict[tuple[str, str], float]:
     """(model instance, alloc | reserved | cached) -> MiB, from the kimi_vision_cuda_memory_bytes gauges."""
     try:
-        with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-            samples = parse_metrics(r.read().decode())
+        samples = scrape(server.metrics_url)
     except OSError:
         return {}
     out = {}

@@ -24,7 +24,6 @@ import io
 import os
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,7 @@ from PIL import Image
 
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import parse_metrics
+from backends.deploy.supervisor import scrape
 from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
@@ -68,8 +67,7 @@ def our_code_seconds(metrics_url: str) -> dict[str, float]:
     """model -> cumulative seconds our code spent in execute (kimi_vision_step_seconds_sum): host time,
     GPU work may still run after it. Triton's compute infer minus this is the Python backend's own
     share (moving tensors and messages between server and stub) plus waiting for the GPU."""
-    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
-    return {labels["model"]: value for name, labels, value in parse_metrics(text)
+    return {labels["model"]: value for name, labels, value in scrape(metrics_url, timeout_s=10)
             if name == "kimi_vision_step_seconds_sum" and "model" in labels}
 
 

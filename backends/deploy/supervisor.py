@@ -108,6 +108,17 @@ def model_of(instance: str) -> str:
     return instance.rsplit("_", 2)[0]
 
 
+def scrape_text(metrics_url: str, timeout_s: float = 5) -> str:
+    """One scrape of a Prometheus endpoint at host:port, as text."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=timeout_s) as r:
+        return r.read().decode()
+
+
+def scrape(metrics_url: str, timeout_s: float = 5) -> list[tuple[str, dict[str, str], float]]:
+    """One scrape of a Prometheus endpoint at host:port, as parse_metrics' samples."""
+    return parse_metrics(scrape_text(metrics_url, timeout_s))
+
+
 def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
     samples = []
     for line in text.splitlines():

@@ -1,14 +1,13 @@
 """Cancelled work stops: a client that gives up on a heavy request does not keep the encoder busy."""
 
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backends.deploy.supervisor import parse_metrics
+from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from server_state import eventually
@@ -22,8 +21,7 @@ def heavy():
 
 
 def _cancelled(server, model) -> float:
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-        samples = parse_metrics(r.read().decode())
+    samples = scrape(server.metrics_url)
     return sum(v for n, l, v in samples if n == "kimi_vision_request_failures_total"
                and l.get("model") == model and l.get("kind") == "cancelled")
 

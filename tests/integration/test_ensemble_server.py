@@ -1,7 +1,6 @@
 """The ensemble on a real tritonserver, over gRPC and HTTP, through our client library."""
 
 import threading
-import urllib.request
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backends.config import DEMO_CONFIG
+from backends.deploy.supervisor import scrape_text
 from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
 from backends.weights.seeded import seeded_model
@@ -169,8 +169,8 @@ def test_failures_are_counted_in_our_metric(server):
         client.infer(np.array([1, 2], np.int64), [b"x"])
     client.close()
     def failure_lines():
-        text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5).read().decode()
-        return [l for l in text.splitlines() if l.startswith("kimi_vision_request_failures_total")]
+        lines = scrape_text(server.metrics_url).splitlines()
+        return [l for l in lines if l.startswith("kimi_vision_request_failures_total")]
 
     def counted(lines):
         return any('model="kimi_preprocess"' in l and 'kind="invalid_input"' in l for l in lines)

@@ -6,12 +6,11 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from backends.deploy.launcher import _live_in_group, deployment_server
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import model_of, parse_metrics, stub_processes
+from backends.deploy.supervisor import model_of, scrape, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 
@@ -19,8 +18,7 @@ MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_
 
 
 def _metrics(server) -> list:
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-        return parse_metrics(r.read().decode())
+    return scrape(server.metrics_url)
 
 
 def _value(samples, name, **labels) -> float:

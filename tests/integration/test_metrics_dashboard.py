@@ -2,13 +2,13 @@
 
 import json
 import re
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from backends.deploy.supervisor import scrape_text
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from server_state import eventually
@@ -19,8 +19,7 @@ PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_mi
 
 
 def _exported(server) -> set[str]:
-    with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    text = scrape_text(server.metrics_url)
     names = set(re.findall(r"^# TYPE (\S+)", text, re.M)) | set(re.findall(r"^([a-zA-Z_:][\w:]*)[{ ]", text, re.M))
     return names
 
@@ -37,11 +36,8 @@ def test_our_metrics_count_images_patches_rejections_and_step_times(server):
                 r'kimi_vision_step_seconds_count\{model="moonvit3d"\} [1-9]',
                 r'kimi_vision_decodes_total\{model="kimi_preprocess",path="pillow",reason="no_gpu"\} [1-9]']
 
-    def text():
-        with urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=5) as r:
-            return r.read().decode()
-
-    got = eventually(text, lambda t: all(re.search(e, t) for e in expected))  # sent from the stubs' sender threads
+    # sent from the stubs' sender threads
+    got = eventually(lambda: scrape_text(server.metrics_url), lambda t: all(re.search(e, t) for e in expected))
     for e in expected:
         assert re.search(e, got), e
 
