@@ -10,7 +10,7 @@
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
-#   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY),
+#   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
 #   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
@@ -177,6 +177,7 @@ for stage in "$@"; do
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
       > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -45 ;;
+    *) echo "unknown stage '$stage' (the stages are listed at the top of tools/gpu_session.sh)" >&2 ;;
   esac
   save  # after every stage: a call cut short still returns what is done
 done

@@ -1,0 +1,34 @@
+"""tools/gpu_session.sh only runs on the GPU machine, where a syntax error or a renamed stage costs a
+device call: here bash parses it, and every stage that the README and bench/RESULTS.md tell a reader to
+run must be one of its cases. (The results pages record the commands of their day, stages since
+removed included, and are left as they are.)"""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_session.sh"
+
+
+def stages() -> set[str]:
+    return set(re.findall(r"^    ([a-z0-9]+)\)", SCRIPT.read_text(), re.M))
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_the_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_every_stage_the_docs_tell_a_reader_to_run_exists():
+    known = stages()
+    assert {"tests", "stages", "perfanalyzer", "soak", "mps", "cpulat"} <= known, known
+    named = set()
+    for path in (ROOT / "README.md", ROOT / "bench" / "RESULTS.md"):
+        for args in re.findall(r"`(?:[A-Z_]+=\S+ )*bash tools/gpu_session\.sh ([a-z0-9 ]+)`", path.read_text()):
+            named.update(args.split())
+    assert named, "the README names no stage at all: the pattern above no longer matches it"
+    assert named <= known, f"named but not in the script: {sorted(named - known)}"
