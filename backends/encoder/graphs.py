@@ -54,6 +54,7 @@ class GraphedEncoder:
         self.pool = None
         self._side: torch.cuda.Stream | None = None  # the warm-up stream, made at the first capture
         self.captures = 0
+        self.changes = 0  # bumped whenever self.graphs gains or loses a graph (a failed capture evicts too)
         self.replays = 0
 
     def applies(self, num_patches: int) -> bool:
@@ -99,6 +100,7 @@ class GraphedEncoder:
     def _capture(self, pixel_values: torch.Tensor, grids) -> _Captured:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
+            self.changes += 1
         model = self.model
         meta = model.metadata(grids)  # host work and its uploads happen outside the capture
         static = pixel_values.to(model.dtype).clone()
@@ -122,4 +124,5 @@ class GraphedEncoder:
         captured = _Captured(graph, static, out, meta, tables)
         self.graphs[tuple(grids)] = captured
         self.captures += 1
+        self.changes += 1
         return captured

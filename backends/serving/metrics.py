@@ -68,6 +68,7 @@ class ModelMetrics:
 
     FLUSH_S = 0.2
     MEMORY_EVERY_S = 1.0
+    CLOSE_WAIT_S = 5.0  # how long close waits for a busy sender, twice at most
 
     def __init__(self, pb_utils, model: str, flush_s: float | None = None, instance: str = "",
                  memory: Callable[[], dict[str, float]] | None = None):
@@ -102,6 +103,8 @@ class ModelMetrics:
                 self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
             except Exception:  # noqa: BLE001 - metrics are optional
                 log.warning("%s: metric family %s unavailable", model, name, exc_info=True)
+        if memory is not None:
+            self._started()  # the memory gauges show from load on, before any request
 
     # The request path: local sums only.
 
@@ -176,8 +179,7 @@ class ModelMetrics:
         return metric
 
     def flush(self) -> None:
-        """Send what the request path has summed since the last flush (the sender thread calls it; so
-        does close, which may overlap a sender stuck past its join timeout)."""
+        """Send what the request path has summed since the last flush (the sender thread calls it)."""
         with self._sending:
             self._flush()
 
@@ -195,8 +197,9 @@ class ModelMetrics:
         if observed:
             try:
                 metric = self._metric("kimi_vision_step_seconds", ())
-                for seconds in observed if metric is not None else ():
-                    metric.observe(seconds)
+                if metric is not None:
+                    for seconds in observed:
+                        metric.observe(seconds)
             except Exception:  # noqa: BLE001
                 log.exception("%s: could not observe the step time", self.model)
 
@@ -204,5 +207,12 @@ class ModelMetrics:
         """Stop the sender and send the rest (the model's finalize)."""
         self._closed.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.flush()
+            self._thread.join(timeout=self.CLOSE_WAIT_S)
+        # A sender stuck in a round trip to the server holds _sending: unloading must not wait on it.
+        if not self._sending.acquire(timeout=self.CLOSE_WAIT_S):
+            log.warning("%s: the metrics sender is still busy; counts not yet sent are dropped", self.model)
+            return
+        try:
+            self._flush()
+        finally:
+            self._sending.release()

@@ -171,10 +171,11 @@ class EncoderStep:
         self.model = model
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
+        self._graphed = None
         if cuda_graphs > 0 and model.device.type == "cuda":
             from backends.encoder.graphs import GraphedEncoder
 
-            self.forward = GraphedEncoder(model, max_graphs=cuda_graphs)
+            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs)
         self.merge_tokens = model.cfg.merge_tokens
         self._cached_bytes, self._cached_key = 0, None
 
@@ -183,15 +184,16 @@ class EncoderStep:
         tables (RoPE, resized position embeddings). They grow towards their bounds as new shapes
         arrive; allocated memory beyond them that grows is a leak.
 
-        Counted on the request thread after each batch, and only when a capture or a cached table may
-        have changed it; other threads (the metrics sender) read the last count and never touch the
+        Counted on the request thread after each batch, and only when the graphs or a cached table may
+        have changed; other threads (the metrics sender) read the last count and never touch the
         graphs themselves, so no graph is ever freed on their side."""
         return self._cached_bytes
 
     def _count_cached(self) -> None:
-        key = (getattr(self.forward, "captures", 0), cache_version())
+        graphed = self._graphed
+        key = (graphed.changes if graphed is not None else 0, cache_version())
         if key != self._cached_key:
-            graphs = getattr(self.forward, "held_tensors", list)()
+            graphs = graphed.held_tensors() if graphed is not None else []
             self._cached_bytes = held_bytes([*graphs, *cached_tensors()], device=self.model.device)
             self._cached_key = key
 

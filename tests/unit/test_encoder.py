@@ -241,8 +241,8 @@ def test_encoder_step_reports_what_its_caches_hold(monkeypatch):
     shared = next(iter(cached_tensors()))  # a table the graph read: held by the cache and the graph
     meta = SimpleNamespace(cu_seqlens=torch.zeros(2, dtype=torch.int32), rope=torch.zeros(24, 4))
     graphed.graphs[((1, 4, 6),)] = _Captured(None, torch.zeros(24, 3, 14, 14), torch.zeros(6, 8), meta, [shared])
-    graphed.captures = 1
-    step.forward = graphed
+    graphed.captures = graphed.changes = 1
+    step.forward = step._graphed = graphed
     step.run_batch([])
     assert counts == [1]
     graph_bytes = (24 * 3 * 14 * 14 + 6 * 8 + 24 * 4 + 2) * 4

@@ -137,3 +137,21 @@ def test_no_gauge_family_without_a_gpu():
     m = ModelMetrics(FakePbUtils(), "kimi_placeholder", flush_s=3600)
     assert "kimi_vision_cuda_memory_bytes" not in m._families
     m.close()
+
+
+def test_the_memory_gauges_have_a_sender_before_any_request():
+    m = ModelMetrics(FakePbUtils(), "moonvit3d", flush_s=3600, memory=lambda: {"allocated": 0.0, "reserved": 0.0})
+    assert m._thread is not None and m._thread.is_alive()
+    m.close()
+    assert not m._thread.is_alive()
+
+
+def test_close_does_not_wait_forever_on_a_sender_stuck_in_a_round_trip(caplog):
+    m = ModelMetrics(FakePbUtils(), "kimi_preprocess", flush_s=3600)
+    m.CLOSE_WAIT_S = 0.05
+    m._sending.acquire()  # what a sender blocked inside a server call holds
+    try:
+        m.close()
+    finally:
+        m._sending.release()
+    assert any("still busy" in r.getMessage() for r in caplog.records)
