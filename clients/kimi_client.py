@@ -87,7 +87,7 @@ class KimiVisionClient:
         self.protocol, self.batched = protocol, batched
         self.model = model or (BATCHED_MODEL if batched else MODEL)
         # Ids and counts alone go to kimi_placeholder (headers only) unless a model was named.
-        self.route_header_outputs = model is None
+        self.header_model = None if model else (contract.PLACEHOLDER_BATCHED if batched else contract.PLACEHOLDER)
         self.headers = {}
         if admin_key:
             header, _, value = admin_key.partition("=")
@@ -179,8 +179,8 @@ class KimiVisionClient:
         """Ids and counts alone come from kimi_placeholder, which reads only the images' headers; in the
         ensemble they come after preprocessing (which checks the prompt, then decodes). A client made
         with an explicit `model` always asks that model."""
-        if self.route_header_outputs and set(wanted) <= set(HEADER_OUTPUTS):
-            return contract.PLACEHOLDER_BATCHED if self.model == BATCHED_MODEL else contract.PLACEHOLDER
+        if self.header_model is not None and set(wanted) <= set(HEADER_OUTPUTS):
+            return self.header_model
         return self.model
 
     def _requested(self, wanted):

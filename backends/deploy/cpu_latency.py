@@ -26,20 +26,24 @@ DEVICE = "/dev/cpu_dma_latency"
 MAX_US = 2**31 - 1  # the kernel reads a signed 32-bit value
 
 
+def _checked(value: int) -> int:
+    if not 0 <= value <= MAX_US:
+        raise ValueError(f"a CPU wake-up latency limit is 0 to {MAX_US} microseconds, got {value}")
+    return value
+
+
 def limit(text: str) -> int:
     """A limit given as text (a flag or KIMI_CPU_LATENCY_US): whole microseconds, 0 to MAX_US."""
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"a CPU wake-up latency limit is whole microseconds, got {text!r}") from None
-    if not 0 <= value <= MAX_US:
-        raise ValueError(f"a CPU wake-up latency limit is 0 to {MAX_US} microseconds, got {value}")
-    return value
+    return _checked(value)
 
 
 def hold(limit_us: int = 0, path: str = DEVICE) -> int:
     """Opens the device, writes the limit and returns the open descriptor (close it to release)."""
-    packed = struct.pack("i", limit(str(limit_us)))  # refused before anything is opened
+    packed = struct.pack("i", _checked(limit_us))  # refused before anything is opened
     fd = os.open(path, os.O_WRONLY)
     try:
         os.write(fd, packed)

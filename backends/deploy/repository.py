@@ -135,7 +135,7 @@ def _ragged(tensors):
 
 # Optional everywhere: absent means every IMAGES entry is a still image; else one entry per media,
 # 0 for an image and t (1..4) for a video chunk of t consecutive IMAGES entries.
-MEDIA_FRAMES_SPEC = {"name": MEDIA_FRAMES, "data_type": "TYPE_INT64", "dims": [-1], "optional": True}
+MEDIA_FRAMES_SPEC = _tensor(MEDIA_FRAMES, "TYPE_INT64", [-1], optional=True)
 
 
 def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:

@@ -148,8 +148,8 @@ class MetricsRelay:
     """The public metrics endpoint: tritonserver's own text (without our stubs' private counter) plus
     the supervisor's families, totals kept across server restarts."""
 
-    def __init__(self, address: str, port: int, triton_metrics_url: str):
-        self.triton_url = triton_metrics_url
+    def __init__(self, address: str, port: int, triton_metrics: str):
+        self.triton_metrics = triton_metrics  # tritonserver's metrics endpoint, host:port
         self.lock = threading.Lock()
         self.base: dict[tuple[str, str], float] = defaultdict(float)  # failures of replaced servers
         self.last: dict[tuple[str, str], float] = {}  # the current server's, at its last scrape
@@ -191,8 +191,7 @@ class MetricsRelay:
         with self.lock:
             generation = self.generation
         try:
-            with urllib.request.urlopen(self.triton_url, timeout=2) as r:
-                text = r.read().decode()
+            text = scrape_text(self.triton_metrics, timeout_s=2)
         except (OSError, http.client.HTTPException, ValueError):  # down, or cut off mid-answer
             return None
         counts = failure_counts(parse_metrics(text))
@@ -243,7 +242,7 @@ class Supervisor:
         self.server = server
         self.poll_s = poll_s
         self.start_timeout = start_timeout
-        self.relay = MetricsRelay(metrics_address, metrics_port, f"http://{server.metrics_url}/metrics")
+        self.relay = MetricsRelay(metrics_address, metrics_port, server.metrics_url)
         self.public_metrics = f"127.0.0.1:{metrics_port}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

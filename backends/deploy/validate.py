@@ -12,12 +12,15 @@ the input of a step (tritonserver 2.51 then fails requests for a subset of the o
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.config import Limits
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,8 @@ class TensorSpec:
         return f"{mc.DataType.Name(self.dtype)}{list(self.dims)}"
 
 
-# Model-config parameters that bound a request (backends.config.Limits).
-LIMIT_PARAMETERS = ("max_images", "max_patches", "max_image_pixels")
+# Model-config parameters that bound a request: backends.config.Limits' fields.
+LIMIT_PARAMETERS = tuple(f.name for f in dataclasses.fields(Limits))
 
 
 def compatible(a: TensorSpec, b: TensorSpec) -> bool:

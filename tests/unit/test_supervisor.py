@@ -19,7 +19,7 @@ def test_failures_come_from_our_counter_and_the_composing_models_only():
 
 
 def test_totals_survive_a_restart_and_the_private_counter_is_not_republished():
-    relay = MetricsRelay("127.0.0.1", 0, "http://127.0.0.1:9/metrics")
+    relay = MetricsRelay("127.0.0.1", 0, "127.0.0.1:9")
     try:
         relay.last = failure_counts(parse_metrics(SCRAPE))
         relay.server_replaced()
