@@ -108,18 +108,19 @@ if triton is not None:
         if FY == 2 and (FX == 1 or FANCY_H):
             odd_y = (row % 2) == 1
             jn = tl.where(odd_y, tl.minimum(j + 1, DH - 1), tl.maximum(j - 1, 0))
-            base, near = j.to(tl.int64) * C_PITCH, jn.to(tl.int64) * C_PITCH
+            # The chroma row under this output row (the nearer, weight 3) and the neighbour it blends with.
+            base, other = j.to(tl.int64) * C_PITCH, jn.to(tl.int64) * C_PITCH
             if FX == 1:  # h1v2: vertical triangle only
                 bias = tl.where(odd_y, 2, 1)
-                u = (_tri(cb_ptr + base + i, cb_ptr + near + i, mask) + bias) >> 2
-                v = (_tri(cr_ptr + base + i, cr_ptr + near + i, mask) + bias) >> 2
+                u = (_tri(cb_ptr + base + i, cb_ptr + other + i, mask) + bias) >> 2
+                v = (_tri(cr_ptr + base + i, cr_ptr + other + i, mask) + bias) >> 2
             else:  # h2v2: vertical sums of this column and its neighbour, then the horizontal triangle
                 i_n = tl.where(odd_x, tl.minimum(i + 1, DW - 1), tl.maximum(i - 1, 0))
                 bias = tl.where(odd_x, 7, 8)
-                su = _tri(cb_ptr + base + i, cb_ptr + near + i, mask)
-                sun = _tri(cb_ptr + base + i_n, cb_ptr + near + i_n, mask)
-                sv = _tri(cr_ptr + base + i, cr_ptr + near + i, mask)
-                svn = _tri(cr_ptr + base + i_n, cr_ptr + near + i_n, mask)
+                su = _tri(cb_ptr + base + i, cb_ptr + other + i, mask)
+                sun = _tri(cb_ptr + base + i_n, cb_ptr + other + i_n, mask)
+                sv = _tri(cr_ptr + base + i, cr_ptr + other + i, mask)
+                svn = _tri(cr_ptr + base + i_n, cr_ptr + other + i_n, mask)
                 u = (3 * su + sun + bias) >> 4
                 v = (3 * sv + svn + bias) >> 4
         elif FY == 1 and FANCY_H:  # h2v1: horizontal triangle only

@@ -123,7 +123,7 @@ class HardwareJpegDecoder:
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
         # Bitstreams stay referenced until the stream has passed the decode that reads them.
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int]] = deque()  # event, bytes, stream
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int, int]] = deque()  # event, bitstreams, their size, stream
         self._held_bytes = 0
 
     @staticmethod
@@ -155,14 +155,14 @@ class HardwareJpegDecoder:
         newest one's stream and it has passed, all have; otherwise they are released oldest first."""
         if len(self._in_flight) < _QUERY_AFTER and self._held_bytes < _QUERY_AFTER_BYTES:
             return
-        newest_event, _, newest_stream = self._in_flight[-1]
-        if all(stream == newest_stream for _, _, stream in self._in_flight) and newest_event.query():
+        newest_event, _, _, newest_stream = self._in_flight[-1]
+        if all(stream == newest_stream for *_, stream in self._in_flight) and newest_event.query():
             self._in_flight.clear()
             self._held_bytes = 0
             return
         while self._in_flight and self._in_flight[0][0].query():
-            _, datas, _ = self._in_flight.popleft()
-            self._held_bytes -= sum(map(len, datas))
+            _, _, size, _ = self._in_flight.popleft()
+            self._held_bytes -= size
 
     def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
         """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
@@ -190,6 +190,7 @@ class HardwareJpegDecoder:
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        self._in_flight.append((event, list(datas), stream.cuda_stream))
-        self._held_bytes += sum(map(len, datas))
+        size = sum(map(len, datas))
+        self._in_flight.append((event, list(datas), size, stream.cuda_stream))
+        self._held_bytes += size
         return planes

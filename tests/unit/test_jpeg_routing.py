@@ -143,7 +143,7 @@ def _decoder_with(done_flags, streams=None):
     dec = HardwareJpegDecoder.__new__(HardwareJpegDecoder)  # no CUDA needed for the bookkeeping
     queries = []
     streams = streams or [7] * len(done_flags)
-    dec._in_flight = deque((_Event(done, queries), [bytes([k])], s) for k, (done, s) in enumerate(zip(done_flags, streams)))
+    dec._in_flight = deque((_Event(done, queries), [bytes([k])], 1, s) for k, (done, s) in enumerate(zip(done_flags, streams)))
     dec._held_bytes = len(done_flags)
     return dec, queries
 
@@ -162,17 +162,17 @@ def test_bitstreams_stay_referenced_until_the_stream_has_passed_their_decode():
     # The stream is still on the third decode: the first two are dropped, the rest stay referenced.
     busy, queries = _decoder_with([True, True] + [False] * (_QUERY_AFTER - 1))
     busy._release_bitstreams()
-    assert [data for _, data, _ in busy._in_flight] == [[bytes([k])] for k in range(2, _QUERY_AFTER + 1)]
+    assert [data for _, data, *_ in busy._in_flight] == [[bytes([k])] for k in range(2, _QUERY_AFTER + 1)]
 
 
 def test_a_few_large_bitstreams_are_released_without_waiting_for_more_decodes():
     from backends.preprocess.nvjpeg import _QUERY_AFTER_BYTES
 
     dec, queries = _decoder_with([True, False])
-    dec._in_flight[0] = (dec._in_flight[0][0], [bytes(_QUERY_AFTER_BYTES)], 7)  # one request of large JPEGs
+    dec._in_flight[0] = (dec._in_flight[0][0], [bytes(_QUERY_AFTER_BYTES)], _QUERY_AFTER_BYTES, 7)  # large JPEGs
     dec._held_bytes = _QUERY_AFTER_BYTES + 1
     dec._release_bitstreams()
-    assert [data for _, data, _ in dec._in_flight] == [[bytes([1])]] and dec._held_bytes == 1
+    assert [data for _, data, *_ in dec._in_flight] == [[bytes([1])]] and dec._held_bytes == 1
     assert len(queries) == 3  # the newest (not passed), then the oldest (passed), then the newest again
 
 
