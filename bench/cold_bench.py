@@ -5,10 +5,11 @@
 Why: inside the server each stub runs a few milliseconds of Python per request and then waits while
 the other stubs and the GPU work, so at low load its code runs "cold" (caches and branch predictors
 trained by other work), while an in-process loop (`timed` in bench/gpu_timing.py, the "alone" columns
-of bench/stage_bench.py) keeps it hot. This measures the placeholder step as a direct call of
-kimi_placeholder runs it (header reads and id expansion: pure host work; in the ensemble it now expands
-preprocessing's counts and reads no header) back to back, and after 20 ms of other work between calls: sleeping,
-spinning in Python, or sweeping 64 MiB of memory. Medians of --iters calls.
+of bench/stage_bench.py) keeps it hot. This measures the placeholder step called with IMAGES, as a
+direct caller of kimi_placeholder runs it (header reads and id expansion: pure host work; the ensemble
+no longer runs it so, it hands the step preprocessing's counts and no image), back to back, and after
+20 ms of other work between calls: sleeping, spinning in Python, or sweeping 64 MiB of memory. Medians
+of --iters calls.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import numpy as np
 from backends.deploy.launcher import BUILD, deployment_server, resolve_device
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import processes, scrape
+from backends.serving.metrics import ModelMetrics
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 
@@ -170,7 +171,7 @@ def idle_memory(server) -> dict[str, float]:
     second, ModelMetrics.MEMORY_EVERY_S): no request's tensors are in flight, so `uncached` compares
     across idle moments without the noise of the samples taken under load. Also keeps the gauges per
     model instance, under "instances", to tell which stub holds what."""
-    time.sleep(2.5)
+    time.sleep(2.5 * ModelMetrics.MEMORY_EVERY_S)  # two sends at least, and a scrape's worth
     instances = allocator_by_instance(server)
     out = memory(server, instances)
     out["instances"] = instances
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
     if len(samples) > args.warmup_samples:
         base = samples[args.warmup_samples][1]
         for k in keys:
-            if k in NO_SAMPLE_VERDICT or any(k not in m for _, m in samples[args.warmup_samples:]) or k not in base:
+            if k in NO_SAMPLE_VERDICT or any(k not in m for _, m in samples[args.warmup_samples:]):
                 continue  # judged otherwise (above); a series with gaps has no verdict
             drift = max(abs(m[k] - base[k]) / max(base[k], 1.0) for _, m in samples[args.warmup_samples:])
             verdict.append(f"{k}: max drift {drift:.1%} after warm-up ({'flat' if drift <= args.tolerance else 'NOT flat'})")

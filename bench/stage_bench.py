@@ -126,6 +126,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dep = Deployment(device="gpu", checkpoint=args.checkpoint)
     requests = case_requests(dep)
+    if args.profile_case and args.profile_case not in requests:  # before the measurements, not after
+        ap.error(f"--profile-case {args.profile_case!r}: the cases are {', '.join(requests)}")
     trigger = (args.out / "profile" / "START").resolve()
     if args.profile:
         # The stubs profile a window of execute calls that opens once `trigger` exists, after every

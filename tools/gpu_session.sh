@@ -60,10 +60,15 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
+SUMMARIES="gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
+# A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
+# call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
+# perf_analyzer stage of one call).
+for f in $SUMMARIES; do rm -f "$out/$f"; done
 save() {  # few files come back (the device tool's limit): the summaries, and everything in one archive
   cp build/tritonserver-*.log "$out/" 2>/dev/null
   [[ -n "${OUT:-}" ]] || return 0
-  for f in gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md; do
+  for f in $SUMMARIES; do
     [[ -f "$out/$f" ]] && cp "$out/$f" "$OUT/"
   done
   tar -czf "$OUT/results.tgz" -C "$out" .
@@ -122,10 +127,10 @@ for stage in "$@"; do
       }
       variants=(${MPS_VARIANTS:-no-mps mps})
       for v in "${variants[@]}"; do
-        [[ $v == no-mps* || $v == mps* ]] || echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"
+        [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]] || echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"
       done
-      for v in "${variants[@]}"; do [[ $v == no-mps* ]] && one_mps_run "$v"; done
-      under=(); for v in "${variants[@]}"; do [[ $v == mps* ]] && under+=("$v"); done
+      for v in "${variants[@]}"; do [[ $v =~ ^no-mps(-2enc)?$ ]] && one_mps_run "$v"; done
+      under=(); for v in "${variants[@]}"; do [[ $v =~ ^mps(-2enc)?$ ]] && under+=("$v"); done
       if (( ${#under[@]} )) && command -v nvidia-cuda-mps-control > /dev/null; then
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
         mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
@@ -152,10 +157,15 @@ for stage in "$@"; do
     cpulat)  # without, with and again without backends/deploy/cpu_latency holding the CPU wake-up latency
       # limit at 0: the stage table, or with CPULAT_BENCH=perf perf_analyzer's 8x448^2 at concurrency 1.
       random_checkpoint; : > "$out/stage_cpulat.md"
-      [[ ${CPULAT_BENCH:-stages} == perf ]] && perf_setup
+      case ${CPULAT_BENCH:-stages} in
+        perf) perf_setup ;;
+        stages) ;;
+        *) echo "CPULAT_BENCH: '$CPULAT_BENCH' is neither stages nor perf" | tee -a "$out/stage_cpulat.md" ;;
+      esac
       i=0
       for v in without with without; do
         i=$((i + 1)); holder=; run="$out/cpulat-$i-$v"
+        rm -rf "$run" "$run.log"  # a warm machine's earlier run must not pass for this one
         if [[ $v == with ]]; then
           python3 -m backends.deploy.cpu_latency & holder=$!; sleep 1
           kill -0 $holder 2> /dev/null || { echo "cpu_latency could not hold" | tee -a "$out/stage_cpulat.md"; continue; }
@@ -166,7 +176,8 @@ for stage in "$@"; do
             --out "$run" > "$run.log" 2>&1
           { echo "### $i: $v cpu_latency"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/stage_cpulat.md"
         else
-          python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$run" ${STAGE_ARGS:-} > "$run.log" 2>&1
+          timeout -s INT -k 30 200 python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$run" \
+            ${STAGE_ARGS:-} > "$run.log" 2>&1
           { echo "### $i: $v cpu_latency"; grep -E "^\|( case|---| 1x| 8x)" "$run.log"; echo; } >> "$out/stage_cpulat.md"
         fi
         [[ -n $holder ]] && { kill $holder; wait $holder 2> /dev/null; }

@@ -44,7 +44,8 @@ def main(argv=None) -> int:
     model, _ = load_model("", args.device, torch.float32)
     enc = EncoderStep(model, cuda_graphs=args.cuda_graphs)
     rng = random.Random(0)
-    lines = [f"$ python -m tools.memory_probe --requests {args.requests} --every {args.every} --cuda-graphs {args.cuda_graphs}",
+    lines = [f"$ python -m tools.memory_probe --requests {args.requests} --every {args.every} --cuda-graphs {args.cuda_graphs}"
+             + ("" if on_gpu else f" --device {args.device}"),
              f"{torch.cuda.get_device_name() if on_gpu else 'cpu'} | torch {torch.__version__}", "",
              "| requests | allocated MiB | cached MiB | uncached MiB | reserved MiB | graphs | captures |",
              "|---|---|---|---|---|---|---|"]
