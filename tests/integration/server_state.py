@@ -7,14 +7,20 @@ import time
 import tritonclient.grpc as grpcclient
 
 
-def inference_count(server, model: str) -> int:
-    """Requests `model` has executed (Triton counts the ones its backend answered with an error too)."""
+def counts(server, model: str) -> tuple[int, int]:
+    """(inferences, executions) of `model` from Triton's statistics: requests executed (Triton counts the
+    ones its backend answered with an error too) and the backend calls (batches) that ran them. The
+    Python backend reports them after sending its responses, so they can lag the client's answer."""
     c = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         s = c.get_inference_statistics(model, as_json=True)["model_stats"][0]
     finally:
         c.close()
-    return int(s.get("inference_count", 0))
+    return int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+
+
+def inference_count(server, model: str) -> int:
+    return counts(server, model)[0]
 
 
 def eventually(read, check, timeout_s: float = 10.0, every_s: float = 0.05):

@@ -57,9 +57,12 @@ def test_a_limit_that_is_not_0_to_2_31_minus_1_microseconds_is_a_usage_error(bad
         build_parser().parse_args(["--cpu-latency-us", bad])
 
 
-def test_hold_refuses_a_bad_limit_before_opening_anything(tmp_path):
-    before = len(os.listdir("/proc/self/fd"))
+def test_hold_refuses_a_bad_limit_before_opening_anything(tmp_path, monkeypatch):
+    opened, real_open = [], os.open
+    monkeypatch.setattr(cpu_latency.os, "open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
+    dev = tmp_path / "cpu_dma_latency"
+    dev.write_bytes(b"")
     for bad in (-1, 2**31):
         with pytest.raises(ValueError, match="microseconds"):
-            cpu_latency.hold(bad, str(tmp_path / "x"))
-    assert not (tmp_path / "x").exists() and len(os.listdir("/proc/self/fd")) == before
+            cpu_latency.hold(bad, str(dev))
+    assert opened == [] and dev.read_bytes() == b""

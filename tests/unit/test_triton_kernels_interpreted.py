@@ -119,6 +119,7 @@ for fx, fy in ((1, 1), (2, 1), (2, 2), (1, 2)):
 # GpuJpegDecoder.decode's runs, with the hardware decoder replaced by one that lays out random planes
 # the way decode_planes does (per image Y, Cb, Cr back to back in one buffer): colour, gray and other
 # sizes mixed, every image equal to the reference conversion of its own planes.
+from collections import Counter
 from types import SimpleNamespace
 
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
@@ -155,7 +156,7 @@ order = ["420", "420", "420", "gray", "gray", "420", "444", "444", "422", "420"]
 blobs = [f"{k}{i}".encode() + b"\xff\xd9" for i, k in enumerate(order)]
 hw = FakeHardware({b: kinds[k] for b, k in zip(blobs, order)})
 dec = object.__new__(GpuJpegDecoder)
-dec.decoder, dec.stats = hw, __import__("collections").Counter()
+dec.decoder, dec.stats = hw, Counter()
 images = [SimpleNamespace(size=(kinds[k].width, kinds[k].height)) for k in order]
 for blob, k, rgb in zip(blobs, order, dec.decode(blobs, images)):
     y, *chroma = hw.planes[blob]
