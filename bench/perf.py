@@ -171,9 +171,6 @@ def main(argv=None) -> int:
     ap.add_argument("--encoder-instances", type=int, default=1,
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
-    ap.add_argument("--graph-chunks", choices=["on", "off"], default="on" if Deployment().graph_chunks else "off",
-                    help="own server: moonvit3d runs a batch over the graphs' bound as graphed runs of requests (on) "
-                         "or as one eager forward (off)")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
 
@@ -195,7 +192,7 @@ def main(argv=None) -> int:
     if served:
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances, graph_chunks=args.graph_chunks == "on")
+                     preprocess_instances=args.preprocess_instances)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -300,28 +297,23 @@ def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
     import numpy as np
     import torch
 
+    from backends.encoder.graphs import GraphedEncoder
     from backends.preprocess import Preprocessor
-    from backends.serving.steps import EncoderRequest, EncoderStep
     from backends.weights.load import load_model
     from bench.gpu_timing import timed
 
     model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)
-    step = EncoderStep(model, cuda_graphs=dep.cuda_graphs, graph_chunks=dep.graph_chunks)
+    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
     pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(images)
-    req = EncoderRequest(pixels, np.asarray(grids))
-    # One request: the graph replay itself (step.forward), without the step's checks and split, as
-    # earlier runs measured it.
-    ms = statistics.median(timed(lambda: step.forward(pixels, grids), 20, warmup=3))
-    # What moonvit3d runs under load: a full dynamic batch, per request (one forward, eager once it
-    # passes the graphs' patch bound, or with graph_chunks graphed runs of requests).
-    full = [req] * dep.max_batch
-    batch_ms = statistics.median(timed(lambda: step.run_batch(full), 5, warmup=2)) / len(full)
-    forwards = [len(c) for c in step._chunks(full)]
-    how = ("one forward, eager" if len(forwards) == 1 and not step._graphed.applies(pixels.shape[0] * len(full))
-           else "one forward" if len(forwards) == 1 else f"graphed runs of {'+'.join(map(str, forwards))} requests")
+    ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
+    # What moonvit3d runs under load: a full dynamic batch in one forward (eager once it passes the
+    # graphs' patch limit), per request.
+    full = dep.max_batch
+    batch_pixels, batch_grids = torch.cat([pixels] * full), np.concatenate([np.asarray(grids)] * full)
+    batch_ms = statistics.median(timed(lambda: encoder(batch_pixels, batch_grids), 5, warmup=2)) / full
     return (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
-            f"{1000 / ms * len(images):.1f} images/s; {len(full)} requests, a full moonvit3d batch ({how}): "
-            f"{batch_ms:.2f} ms per request")
+            f"{1000 / ms * len(images):.1f} images/s; {full} requests in one forward (a full moonvit3d batch"
+            f"{', eager' if not encoder.applies(batch_pixels.shape[0]) else ''}): {batch_ms:.2f} ms per request")
 
 
 if __name__ == "__main__":

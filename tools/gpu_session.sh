@@ -10,9 +10,8 @@
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
-#   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS:
-#   no-mps|mps, then -2enc for two moonvit3d instances, then -chunks / -joint for --graph-chunks on / off),
-#   batching (moonvit3d's full batch: one forward, graphed chunks, one big graph: bench/encoder_batching.py),
+#   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS),
+#   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
 #   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
@@ -62,7 +61,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="encoder_batching.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
+SUMMARIES="encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -115,9 +114,7 @@ for stage in "$@"; do
       perf_setup; random_checkpoint
       one_mps_run() {
         local tag=${MPS_IMAGES:-1024}-$1 extra=()
-        [[ $1 == *-2enc* ]] && extra+=(--encoder-instances 2)
-        [[ $1 == *-chunks ]] && extra+=(--graph-chunks on)
-        [[ $1 == *-joint ]] && extra+=(--graph-chunks off)
+        [[ $1 == *-2enc ]] && extra+=(--encoder-instances 2)
         rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
         # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it.
         timeout -s INT -k 30 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
@@ -131,11 +128,10 @@ for stage in "$@"; do
       }
       variants=(${MPS_VARIANTS:-no-mps mps})
       for v in "${variants[@]}"; do
-        [[ $v =~ ^(no-mps|mps)(-2enc)?(-chunks|-joint)?$ ]] ||
-          echo "MPS_VARIANTS: '$v' names no run (no-mps or mps, then -2enc, then -chunks or -joint)" | tee -a "$out/perf_gpu.md"
+        [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]] || echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"
       done
-      for v in "${variants[@]}"; do [[ $v =~ ^no-mps(-2enc)?(-chunks|-joint)?$ ]] && one_mps_run "$v"; done
-      under=(); for v in "${variants[@]}"; do [[ $v =~ ^mps(-2enc)?(-chunks|-joint)?$ ]] && under+=("$v"); done
+      for v in "${variants[@]}"; do [[ $v =~ ^no-mps(-2enc)?$ ]] && one_mps_run "$v"; done
+      under=(); for v in "${variants[@]}"; do [[ $v =~ ^mps(-2enc)?$ ]] && under+=("$v"); done
       if (( ${#under[@]} )) && command -v nvidia-cuda-mps-control > /dev/null; then
         export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
         mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
@@ -188,9 +184,9 @@ for stage in "$@"; do
         [[ -n $holder ]] && { kill $holder; wait $holder 2> /dev/null; }
       done
       cat "$out/stage_cpulat.md" ;;
-    batching) random_checkpoint
-      python3 -m bench.encoder_batching --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_batching.log" 2>&1
-      tail -40 "$out/encoder_batching.log" ;;
+    sustained) random_checkpoint
+      python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_sustained.log" 2>&1
+      tail -40 "$out/encoder_sustained.log" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;

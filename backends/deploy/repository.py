@@ -49,9 +49,6 @@ class Deployment:
     batch_delay_us: int = 0
     max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
-    # A batch over the graphs' patch bound: runs of requests that fit it, each replayed from a graph
-    # (True), or one eager forward (False). GPU only; EncoderStep._chunks.
-    graph_chunks: bool = False
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -202,7 +199,6 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     )
     if dep.device == "gpu":
         dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
-        dicts[ENCODER]["parameters"]["graph_chunks"] = {"string_value": "on" if dep.graph_chunks else "off"}
     # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
     # an overloaded server refuses requests with an error instead of computing on zeros.
     dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,

@@ -52,7 +52,6 @@ class ModelSettings:
     device: str = "cpu"
     limits: Limits = Limits()
     cuda_graphs: int = 0  # encoder graphs to keep (backends.encoder.graphs); 0 = eager
-    graph_chunks: bool = False  # EncoderStep's graph_chunks
     vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON in the config
 
     @classmethod
@@ -69,16 +68,7 @@ class ModelSettings:
         else:  # a repository written by hand: the checkpoint's own config, never the demo's for a checkpoint
             vision = load_checkpoint_config(checkpoint) if checkpoint else DEMO_CONFIG
         return cls(checkpoint=checkpoint, device=device, limits=limits,
-                   cuda_graphs=int(params.get("cuda_graphs", 0)), graph_chunks=_switch(params, "graph_chunks"),
-                   vision=vision)
-
-
-def _switch(params: dict[str, str], name: str) -> bool:
-    """An on/off model parameter; absent is off. Anything else is a configuration error, said at load."""
-    value = params.get(name, "off").strip().lower()
-    if value not in ("on", "off"):
-        raise ValueError(f"model parameter {name} must be 'on' or 'off', got {params[name]!r}")
-    return value == "on"
+                   cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
 
 
 def check_prompt(input_ids, cfg: VisionConfig, num_media: int, media_frames=None) -> np.ndarray:
@@ -177,11 +167,8 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0, graph_chunks: bool = False):
+    def __init__(self, model, cuda_graphs: int = 0):
         self.model = model
-        # A batch over the graphs' patch bound: one eager forward (False) or consecutive requests in
-        # forwards that each fit the bound, replayed from graphs (True; see _chunks).
-        self.graph_chunks = graph_chunks
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
         self._graphed = None
@@ -251,29 +238,6 @@ class EncoderStep:
         return results
 
     def _forward(self, reqs: Sequence[EncoderRequest]) -> list[torch.Tensor]:
-        return [e for chunk in self._chunks(reqs) for e in self._forward_joint(chunk)]
-
-    def _chunks(self, reqs: Sequence[EncoderRequest]) -> list[Sequence[EncoderRequest]]:
-        """The batch as one forward, or, with graph_chunks on and the batch over the graphs' patch bound,
-        runs of consecutive requests that each fit the bound, so that each can replay a graph (a request
-        over the bound alone runs eagerly). Attention never crosses images, so splitting changes no value."""
-        graphed = self._graphed
-        if graphed is None or not self.graph_chunks or len(reqs) < 2:
-            return [reqs]
-        sizes = [int(r.pixel_values.shape[0]) for r in reqs]
-        if sum(sizes) <= graphed.max_patches:
-            return [reqs]
-        chunks, current, patches = [], [], 0
-        for req, n in zip(reqs, sizes):
-            if current and patches + n > graphed.max_patches:
-                chunks.append(current)
-                current, patches = [], 0
-            current.append(req)
-            patches += n
-        chunks.append(current)
-        return chunks
-
-    def _forward_joint(self, reqs: Sequence[EncoderRequest]) -> list[torch.Tensor]:
         grids = np.concatenate([np.asarray(r.grid_thws, dtype=np.int64).reshape(-1, 3) for r in reqs])
         device = self.model.device
         # Cast each request before joining: an empty (text-only) request must not promote the batch.

@@ -251,7 +251,7 @@ class EncoderModel(_Adapter):
 
         model, _ = load_model(self.settings.checkpoint, self.settings.device,
                               dtype=_out_dtype(self.config, IMAGE_EMBEDS), config=self.settings.vision)
-        self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs, graph_chunks=self.settings.graph_chunks)
+        self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""

@@ -84,38 +84,6 @@ def test_joint_forward_equals_separate_forwards():
         torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
 
 
-def test_graph_chunks_split_a_batch_over_the_bound_at_request_boundaries():
-    """With graph_chunks, a batch over the graphs' patch bound runs as consecutive runs of requests
-    that each fit it (a request over the bound alone on its own), and every request's embeddings
-    equal the joint forward's. The graphs themselves need a GPU (tests/gpu); here the bound is set on
-    a stand-in and the runs are eager."""
-    from types import SimpleNamespace
-
-    model = seeded_model(CFG)
-    calls = []
-
-    def counting(pixels, grids):
-        calls.append(int(pixels.shape[0]))
-        return model(pixels, grids)
-
-    reqs = [_request([[1, 4, 6]], 0), _request([[1, 4, 4]], 1), _request([[1, 8, 8]], 2), _request([[1, 2, 2]], 3),
-            _request([[1, 2, 4]], 4)]  # 24, 16, 64, 4 and 8 patches
-    chunked = EncoderStep(model, graph_chunks=True)
-    chunked._graphed = SimpleNamespace(max_patches=40, changes=0, held_tensors=lambda: [])
-    chunked.forward = counting
-    assert [len(c) for c in chunked._chunks(reqs)] == [2, 1, 2]
-    got = chunked.run_batch(reqs)
-    assert calls == [40, 64, 12]
-    joint = EncoderStep(model).run_batch(reqs)
-    for a, b in zip(got, joint):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    # Off (the default), or a batch within the bound: one forward.
-    off = EncoderStep(model)
-    off._graphed = chunked._graphed
-    assert [len(c) for c in off._chunks(reqs)] == [5]
-    assert [len(c) for c in chunked._chunks(reqs[:2])] == [2]
-
-
 def test_a_bad_request_fails_alone():
     step = EncoderStep(seeded_model(CFG))
     good = _request([[1, 4, 6]], 0)

@@ -36,23 +36,10 @@ def test_gpu_deployment_differs_only_in_placement_and_dtypes():
         if name.startswith("kimi_preprocess"):  # 2 instances per GPU by default, 1 on CPU
             allowed |= {"count: 1", "count: 2"}
         if name == "moonvit3d":  # GPU only: how many encoder CUDA graphs to keep
-            allowed |= {'key: "cuda_graphs"', f'string_value: "{Deployment("gpu").cuda_graphs}"',
-                        'key: "graph_chunks"', f'string_value: "{"on" if Deployment("gpu").graph_chunks else "off"}"'}
+            allowed |= {'key: "cuda_graphs"', f'string_value: "{Deployment("gpu").cuda_graphs}"'}
         assert changed <= allowed, (name, changed - allowed)
     assert gpu["moonvit3d"].instance_group[0].kind == gpu["moonvit3d"].instance_group[0].KIND_GPU
     assert gpu["kimi_placeholder"].instance_group[0].kind == gpu["kimi_placeholder"].instance_group[0].KIND_CPU
-
-
-def test_graph_chunks_reach_the_encoder_settings():
-    from backends.serving.steps import ModelSettings
-
-    for chunks in (True, False):
-        config = model_configs(Deployment("gpu", graph_chunks=chunks))["moonvit3d"]
-        params = {k: v.string_value for k, v in config.parameters.items()}
-        assert ModelSettings.from_parameters(params, "cuda").graph_chunks is chunks
-    assert ModelSettings.from_parameters({}).graph_chunks is False
-    with pytest.raises(ValueError, match="graph_chunks must be 'on' or 'off', got 'yes'"):
-        ModelSettings.from_parameters({"graph_chunks": "yes"})
 
 
 def _broken(tmp_path, model, old, new):

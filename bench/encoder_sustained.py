@@ -1,0 +1,146 @@
+"""The encoder alone in a short burst and under sustained load, with the GPU's SM clock beside each.
+
+bench/perf.py compares served images/s with "the encoder alone": a graph replay timed 20 times after 3
+warm-ups, about half a second of work. perf_analyzer's figure comes from many seconds of load. If the
+GPU holds a higher clock for half a second than for ten, the burst figure is a rate that no sustained
+service could reach, the encoder itself included. This bench times the same forward both ways in one
+process, one after the other, and samples `nvidia-smi` (SM clock, power) every 100 ms meanwhile:
+
+- `burst`: 20 calls after 3 warm-ups (bench/perf.py's measurement);
+- `sustained`: calls back to back for `--seconds`, reported over the last half;
+- the same two for a full moonvit3d batch (`--batch` requests in one forward, eager over the graphs'
+  patch bound), which is what the encoder runs under concurrency.
+
+The GPU idles `--rest` seconds before each burst, so that each starts from the same state. Recorded, never
+asserted.
+
+    python -m bench.encoder_sustained --checkpoint /tmp/kimi-random --images 1024,8x448 --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.deploy.repository import Deployment
+from backends.encoder.graphs import GraphedEncoder
+from backends.preprocess import Preprocessor
+from backends.weights.load import load_model
+from bench.gpu_timing import machine_line
+from bench.perf import request_images
+
+
+class ClockSampler:
+    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for GPU 0 as this process sees it."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float, float]] = []
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
+                 "-i", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                mhz, watts = (float(x) for x in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.perf_counter(), mhz, watts))
+
+    def between(self, t0: float, t1: float) -> str:
+        picked = [(m, w) for t, m, w in self.samples if t0 <= t <= t1]
+        if not picked:
+            return "-"
+        return f"{statistics.median(m for m, _ in picked):.0f} MHz, {statistics.median(w for _, w in picked):.0f} W"
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.terminate()
+
+
+def _one(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def burst(fn, clocks: ClockSampler) -> tuple[float, str]:
+    for _ in range(3):
+        fn()
+    t0 = time.perf_counter()
+    times = [_one(fn) for _ in range(20)]
+    return statistics.median(times), clocks.between(t0, time.perf_counter())
+
+
+def sustained(fn, seconds: float, clocks: ClockSampler) -> tuple[float, str]:
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        times.append((time.perf_counter(), _one(fn)))
+    half = start + seconds / 2
+    return statistics.median(ms for t, ms in times if t >= half), clocks.between(half, time.perf_counter())
+
+
+def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, clocks: ClockSampler) -> list[str]:
+    pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(request_images(kind))
+    encoder = GraphedEncoder(model, max_graphs=Deployment("gpu").cuda_graphs)
+    batch_pixels, batch_grids = torch.cat([pixels] * batch), np.concatenate([np.asarray(grids)] * batch)
+    one = (lambda: encoder(pixels, grids), 1)
+    full = (lambda: encoder(batch_pixels, batch_grids), batch)
+    lines = [f"### {kind}: {pixels.shape[0]} patches per request; a full batch of {batch} "
+             f"({'graphed' if encoder.applies(batch_pixels.shape[0]) else 'eager'})", "",
+             "| forward | how | ms per request | images/s | SM clock, power (median) |", "|---|---|---|---|---|"]
+    images = len(grids)
+    for label, (fn, n) in (("one request", one), (f"{batch} requests", full)):
+        for how in ("burst", "sustained", "burst"):
+            time.sleep(rest)
+            ms, clock = burst(fn, clocks) if how == "burst" else sustained(fn, seconds, clocks)
+            ms /= n
+            lines.append(f"| {label} | {how} | {ms:.2f} | {1000 / ms * images:.1f} | {clock} |")
+    return lines + [""]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="", help="checkpoint folder (empty: the small demo model)")
+    ap.add_argument("--images", default="1024,8x448", help="request kinds, as bench/perf.py's --images")
+    ap.add_argument("--batch", type=int, default=Deployment("gpu").max_batch, help="requests in a full batch")
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of each sustained run")
+    ap.add_argument("--rest", type=float, default=2.0, help="idle seconds before each run")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a GPU")
+    model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
+    clocks = ClockSampler()
+    lines = ["# The encoder alone: a short burst against sustained load", "", machine_line(), "",
+             f"$ python -m bench.encoder_sustained --checkpoint {args.checkpoint or '(demo)'} --images {args.images} "
+             f"--batch {args.batch} --seconds {args.seconds:g} --rest {args.rest:g}", ""]
+    try:
+        for kind in args.images.split(","):
+            lines += measure(model, cfg, kind, args.batch, args.seconds, args.rest, clocks)
+    finally:
+        clocks.close()
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "encoder_sustained.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
