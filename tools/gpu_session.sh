@@ -14,6 +14,7 @@
 #   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
 #   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
+#   launcher (the launcher with --cpu-latency-us 0 on the GPU: holds the limit, answers, stops),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -61,7 +62,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
+SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -187,6 +188,20 @@ for stage in "$@"; do
     sustained) random_checkpoint
       python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_sustained.log" 2>&1
       tail -40 "$out/encoder_sustained.log" ;;
+    launcher)  # `make serve`'s launcher itself on the GPU, holding the CPU wake-up latency limit: ready,
+      # the descriptor held, one sample request answered, a clean stop on SIGINT
+      python3 -m backends.deploy.launcher --device gpu --cpu-latency-us 0 --address 127.0.0.1 --http-port 8300 \
+        --grpc-port 8301 --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
+      for _ in $(seq 90); do
+        python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8300/v2/health/ready', timeout=2)" \
+          2> /dev/null && break
+        kill -0 $launcher 2> /dev/null || break; sleep 2
+      done
+      { echo "launcher: $(grep -m1 -E 'cpu wake-up|CPU wake-up' "$out/launcher.log")"
+        echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
+        python3 -c "from clients.kimi_client import KimiVisionClient, chat_prompt_ids; from clients.samples import sample_images
+i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); print(c.infer(chat_prompt_ids(len(i)), i).summary())"
+        kill -INT $launcher; wait $launcher; echo "launcher exit status $?"; } 2>&1 | tee "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
