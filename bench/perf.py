@@ -27,11 +27,13 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
 from contract import BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
@@ -171,9 +173,28 @@ def main(argv=None) -> int:
     ap.add_argument("--encoder-instances", type=int, default=1,
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
+    ap.add_argument("--mps", action="store_true",
+                    help="GPU, own server: run this process and its server under a CUDA MPS daemon of their own "
+                         "(backends/deploy/mps.py, as the launcher's --mps), stopped at the end")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
+    daemon = None
+    if args.mps:
+        if args.url:
+            raise SystemExit("--mps starts a daemon for our own server; a running server (--url) has its own setup")
+        try:  # a measurement that asks for MPS must not quietly run without it
+            daemon = mps.start(Path(tempfile.gettempdir()) / "kimi-mps-perf")
+        except mps.MpsUnavailable as exc:
+            raise SystemExit(f"--mps: {exc}") from None
+        os.environ.update(daemon.env())  # before this process, or its server, makes a CUDA context
+    try:
+        return measure(args, argv)
+    finally:
+        if daemon is not None:
+            daemon.stop()
 
+
+def measure(args, argv) -> int:
     device = resolve_device(args.device)
     ensembles = parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles")
     shm_modes = parse_list(args.shared_memory, SHM_MODES, "--shared-memory")

@@ -14,7 +14,8 @@
 #   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
 #   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
-#   launcher (the launcher with --cpu-latency-us 0 on the GPU: holds the limit, answers, stops),
+#   launcher (the launcher on the GPU, LAUNCHER_ARGS default --cpu-latency-us 0 --mps --encoder-instances 2:
+#   holds the limit, runs its MPS daemon, answers, stops),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -109,44 +110,30 @@ for stage in "$@"; do
       cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
     mps)  # 1024^2 at c=16, plain ensemble, without and then with CUDA MPS (the processes' kernels may
-      # then share the GPU instead of taking turns); MPS runs from /tmp pipes and is stopped after.
-      # MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16 choose other requests and levels; MPS_VARIANTS picks
-      # the runs (default "no-mps mps"; a variant ending in -2enc runs two moonvit3d instances).
+      # then share the GPU instead of taking turns): bench/perf.py --mps runs its server under a daemon of
+      # its own (backends/deploy/mps.py) and stops it after. MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16
+      # choose other requests and levels; MPS_VARIANTS picks the runs, in order (default "no-mps mps"; a
+      # variant ending in -2enc runs two moonvit3d instances).
       perf_setup; random_checkpoint
       one_mps_run() {
         local tag=${MPS_IMAGES:-1024}-$1 extra=()
         [[ $1 == *-2enc ]] && extra+=(--encoder-instances 2)
+        [[ $1 == mps* ]] && extra+=(--mps)
         rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
-        # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it.
+        # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it (and its daemon).
         timeout -s INT -k 30 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
           --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
           --shared-memory cuda --encoder-alone "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
         if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
           { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
         else
-          echo "### $1: no summary" >> "$out/perf_gpu.md"; tail -20 "$out/perf_gpu_$tag.log"
+          { echo "### $1: no summary"; tail -20 "$out/perf_gpu_$tag.log"; } | tee -a "$out/perf_gpu.md"
         fi
       }
-      variants=(${MPS_VARIANTS:-no-mps mps})
-      for v in "${variants[@]}"; do
-        [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]] || echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"
+      for v in ${MPS_VARIANTS:-no-mps mps}; do
+        if [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]]; then one_mps_run "$v"
+        else echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"; fi
       done
-      for v in "${variants[@]}"; do [[ $v =~ ^no-mps(-2enc)?$ ]] && one_mps_run "$v"; done
-      under=(); for v in "${variants[@]}"; do [[ $v =~ ^mps(-2enc)?$ ]] && under+=("$v"); done
-      if (( ${#under[@]} )) && command -v nvidia-cuda-mps-control > /dev/null; then
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-        mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-        if nvidia-cuda-mps-control -d; then
-          for v in "${under[@]}"; do one_mps_run "$v"; done
-        else
-          echo "MPS daemon did not start" | tee -a "$out/perf_gpu.md"
-        fi
-        echo quit | nvidia-cuda-mps-control; sleep 2
-        tail -5 $CUDA_MPS_LOG_DIRECTORY/control.log 2>/dev/null
-        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-      elif (( ${#under[@]} )); then
-        echo "no nvidia-cuda-mps-control on this machine" | tee -a "$out/perf_gpu.md"
-      fi
       cat "$out/perf_gpu.md" ;;
     perf) e2e; perfanalyzer ;;
     decode) python3 -m bench.decode_bench --out "$out" > "$out/decode_bench.log" 2>&1; tail -25 "$out/decode_bench.log" ;;
@@ -188,21 +175,26 @@ for stage in "$@"; do
     sustained) random_checkpoint
       python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_sustained.log" 2>&1
       tail -40 "$out/encoder_sustained.log" ;;
-    launcher)  # `make serve`'s launcher itself on the GPU, holding the CPU wake-up latency limit: ready,
-      # the descriptor held, one sample request answered, a clean stop on SIGINT
-      python3 -m backends.deploy.launcher --device gpu --cpu-latency-us 0 --address 127.0.0.1 --http-port 8300 \
-        --grpc-port 8301 --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
+    launcher)  # `make serve`'s launcher itself on the GPU with LAUNCHER_ARGS (default: the CPU wake-up latency
+      # hold, its own MPS daemon, two encoder instances): ready, the descriptor held, the MPS server up,
+      # one sample request answered, a clean stop on SIGINT that takes the daemon with it
+      python3 -m backends.deploy.launcher --device gpu ${LAUNCHER_ARGS:---cpu-latency-us 0 --mps --encoder-instances 2} \
+        --address 127.0.0.1 --http-port 8300 --grpc-port 8301 --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
       for _ in $(seq 90); do
         python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8300/v2/health/ready', timeout=2)" \
           2> /dev/null && break
         kill -0 $launcher 2> /dev/null || break; sleep 2
       done
-      { echo "launcher: $(grep -m1 -E 'cpu wake-up|CPU wake-up' "$out/launcher.log")"
+      { echo "\$ python -m backends.deploy.launcher --device gpu ${LAUNCHER_ARGS:---cpu-latency-us 0 --mps --encoder-instances 2}"
+        grep -E 'CPU wake-up|MPS|warning' "$out/launcher.log" | head -5
         echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
+        echo "MPS processes while serving: control $(pgrep -c -f '^nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')"
+        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | head -12
         python3 -c "from clients.kimi_client import KimiVisionClient, chat_prompt_ids; from clients.samples import sample_images
 i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); print(c.infer(chat_prompt_ids(len(i)), i).summary())"
         kill -INT $launcher; } 2>&1 | tee "$out/launcher.md"
-      wait $launcher; echo "launcher exit status $?" | tee -a "$out/launcher.md" ;;
+      wait $launcher; echo "launcher exit status $?" | tee -a "$out/launcher.md"
+      sleep 2; echo "MPS processes after the stop: control $(pgrep -c -f '^nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')" | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 import urllib.request
@@ -35,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.deploy import cpu_latency
+from backends.deploy import cpu_latency, mps
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
@@ -415,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
                          "states (more idle power; README: Scale out). Off by default; needs write access to "
                          "the device")
+    ap.add_argument("--mps", action=argparse.BooleanOptionalAction, default=os.environ.get("KIMI_MPS", "0") == "1",
+                    help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
+                         "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
+                         "large images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
 
@@ -433,6 +438,25 @@ def hold_cpu_latency(limit_us: int | None, path: str = cpu_latency.DEVICE) -> in
     return fd
 
 
+def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
+    """The server's own MPS daemon, its environment put in ours (the server inherits it), or None: not
+    asked for, no GPU deployment, or it would not start (then a warning says so and the server runs
+    without it)."""
+    if not asked:
+        return None
+    if device != "gpu":
+        print("note: --mps applies to a GPU deployment only; ignored", flush=True)
+        return None
+    try:
+        daemon = mps.start(folder)
+    except mps.MpsUnavailable as exc:
+        print(f"warning: --mps: {exc}; serving without MPS", flush=True)
+        return None
+    os.environ.update(daemon.env())
+    print(f"CUDA MPS control daemon started for this server (pipe folder {daemon.pipe_dir})", flush=True)
+    return daemon
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -449,6 +473,19 @@ def main(argv=None) -> int:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
     latency_hold = hold_cpu_latency(args.cpu_latency_us)  # released when this process exits
+    # Under the temp folder, not build/: the daemon's socket path must stay short (108 bytes at most).
+    daemon = start_mps(args.mps, device, Path(tempfile.gettempdir()) / f"kimi-mps-{args.grpc_port}")
+    try:
+        return _serve(server)
+    finally:
+        if daemon is not None:  # after the server and its stubs are gone
+            daemon.stop()
+        if latency_hold is not None:
+            os.close(latency_hold)
+
+
+def _serve(server) -> int:
+    """Serves in the foreground until SIGTERM / SIGINT, then drains and stops."""
     stop = threading.Event()
 
     def on_signal(*_):  # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests and exit
@@ -467,8 +504,6 @@ def main(argv=None) -> int:
     print("ready", flush=True)
     stop.wait()
     server.stop()
-    if latency_hold is not None:
-        os.close(latency_hold)
     return 0
 
 
