@@ -174,8 +174,9 @@ def main(argv=None) -> int:
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
     ap.add_argument("--mps", action="store_true",
-                    help="GPU, own server: run this process and its server under a CUDA MPS daemon of their own "
-                         "(backends/deploy/mps.py, as the launcher's --mps), stopped at the end")
+                    help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
+                         "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
+                         "alone is then timed without MPS")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
     daemon = None
@@ -186,15 +187,15 @@ def main(argv=None) -> int:
             daemon = mps.start(Path(tempfile.gettempdir()) / "kimi-mps-perf")
         except mps.MpsUnavailable as exc:
             raise SystemExit(f"--mps: {exc}") from None
-        os.environ.update(daemon.env())  # before this process, or its server, makes a CUDA context
     try:
-        return measure(args, argv)
-    finally:
+        return measure(args, argv, daemon)  # stops the daemon itself once the server is gone
+    except BaseException:
         if daemon is not None:
             daemon.stop()
+        raise
 
 
-def measure(args, argv) -> int:
+def measure(args, argv, daemon: mps.Daemon | None = None) -> int:
     device = resolve_device(args.device)
     ensembles = parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles")
     shm_modes = parse_list(args.shared_memory, SHM_MODES, "--shared-memory")
@@ -220,7 +221,10 @@ def measure(args, argv) -> int:
     if max(levels) > dep.max_queue:
         print(f"note: concurrency {max(levels)} exceeds moonvit3d's queue bound ({dep.max_queue}); the server "
               f"refuses what does not fit, so expect errors there")
-    server = served or deployment_server(dep, f"perf-{device}")
+    # Under --mps the server and perf_analyzer are the daemon's clients; this process is not (its own
+    # CUDA context, for the encoder alone, would keep the daemon from quitting).
+    mps_env = daemon.env() if daemon else {}
+    server = served or deployment_server(dep, f"perf-{device}", env=mps_env or None)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows = []
     t0 = time.monotonic()
@@ -246,7 +250,7 @@ def measure(args, argv) -> int:
             counts_before = encoder_counts(server.grpc_url)
             try:
                 # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
-                proc = subprocess.run(cmd, env=perf_analyzer_env(args.perf_dir), capture_output=True, text=True,
+                proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
                                       timeout=12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
@@ -265,7 +269,11 @@ def measure(args, argv) -> int:
             with open(csv_path) as f:
                 rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
+    if daemon is not None and not daemon.stop():
+        print("warning: the MPS daemon was still running 30 s after the server stopped")
     encoder_line = encoder_alone_line(dep, images) if args.encoder_alone and not served else ""
+    if encoder_line and daemon is not None:
+        encoder_line += " (no MPS)"
 
     lines = [f"$ python -m bench.perf {shlex.join(sys.argv[1:] if argv is None else list(argv))}",
              f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "

@@ -188,13 +188,13 @@ for stage in "$@"; do
       { echo "\$ python -m backends.deploy.launcher --device gpu ${LAUNCHER_ARGS:---cpu-latency-us 0 --mps --encoder-instances 2}"
         grep -E 'CPU wake-up|MPS|warning' "$out/launcher.log" | head -5
         echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
-        echo "MPS processes while serving: control $(pgrep -c -f '^nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')"
+        echo "MPS processes while serving: control $(pgrep -c -f 'nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')"
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | head -12
         python3 -c "from clients.kimi_client import KimiVisionClient, chat_prompt_ids; from clients.samples import sample_images
 i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); print(c.infer(chat_prompt_ids(len(i)), i).summary())"
         kill -INT $launcher; } 2>&1 | tee "$out/launcher.md"
       wait $launcher; echo "launcher exit status $?" | tee -a "$out/launcher.md"
-      sleep 2; echo "MPS processes after the stop: control $(pgrep -c -f '^nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')" | tee -a "$out/launcher.md" ;;
+      sleep 2; echo "MPS processes after the stop: control $(pgrep -c -f 'nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')" | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;

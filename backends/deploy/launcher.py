@@ -199,9 +199,10 @@ CPU_STARTUP_NOTE = ("note: this host has no GPU; tritonserver still logs \"CudaD
                     "Both are harmless: the CPU deployment never uses CUDA.")
 
 
-def server_env(install: TritonInstall, stub_bin_dir: Path) -> dict[str, str]:
-    """The server's environment, with the stub env's bin/ first on PATH for its stubs."""
-    env = dict(os.environ)
+def server_env(install: TritonInstall, stub_bin_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment, with the stub env's bin/ first on PATH for its stubs, and `extra` (e.g.
+    an MPS daemon's pipe folder, mps.Daemon.env) on top."""
+    env = {**os.environ, **(extra or {})}
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (*install.lib_dirs, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(stub_bin_dir), env.get("PATH", "")))
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -230,8 +231,9 @@ class TritonServer:
     def __init__(self, repository: Path, *, ports: Ports = Ports(), log_path: Path | None = None,
                  cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
                  install: TritonInstall | None = None, allow_numpy2: bool = False, address: str = "127.0.0.1",
-                 metrics_port: int | None = None, admin_key: str = ""):
+                 metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None):
         self.repository = Path(repository).resolve()
+        self.env = dict(env or {})  # on top of ours, for the server and its stubs
         self.ports = ports
         self.log_path = Path(log_path) if log_path else BUILD / f"tritonserver-{ports.http}.log"
         self.cuda_pools = dict(cuda_pools or {})
@@ -271,7 +273,7 @@ class TritonServer:
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = server_env(self.install, stub_bin(STUB_ENV, allow_numpy2=self.allow_numpy2))
+        env = server_env(self.install, stub_bin(STUB_ENV, allow_numpy2=self.allow_numpy2), self.env)
         self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
@@ -439,9 +441,8 @@ def hold_cpu_latency(limit_us: int | None, path: str = cpu_latency.DEVICE) -> in
 
 
 def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
-    """The server's own MPS daemon, its environment put in ours (the server inherits it), or None: not
-    asked for, no GPU deployment, or it would not start (then a warning says so and the server runs
-    without it)."""
+    """The server's own MPS daemon (give the server its env()), or None: not asked for, no GPU
+    deployment, or it would not start (then a warning says so and the server runs without it)."""
     if not asked:
         return None
     if device != "gpu":
@@ -452,7 +453,6 @@ def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
     except mps.MpsUnavailable as exc:
         print(f"warning: --mps: {exc}; serving without MPS", flush=True)
         return None
-    os.environ.update(daemon.env())
     print(f"CUDA MPS control daemon started for this server (pipe folder {daemon.pipe_dir})", flush=True)
     return daemon
 
@@ -463,23 +463,29 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
+    # Under the temp folder, not build/: the daemon's socket path must stay short (108 bytes at most).
+    daemon = start_mps(args.mps, device, Path(tempfile.gettempdir()) / f"kimi-mps-{args.grpc_port}")
+    try:
+        return _render_and_serve(args, device, dep, daemon)
+    finally:
+        if daemon is not None:  # after the server and its stubs are gone
+            daemon.stop()
+
+
+def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | None) -> int:
     server = deployment_server(dep, device,
                                repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
-                               address=args.address, admin_key=args.admin_key)
+                               address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None)
     print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
           f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     if device == "cpu" and gpu_count() == 0:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
     latency_hold = hold_cpu_latency(args.cpu_latency_us)  # released when this process exits
-    # Under the temp folder, not build/: the daemon's socket path must stay short (108 bytes at most).
-    daemon = start_mps(args.mps, device, Path(tempfile.gettempdir()) / f"kimi-mps-{args.grpc_port}")
     try:
         return _serve(server)
     finally:
-        if daemon is not None:  # after the server and its stubs are gone
-            daemon.stop()
         if latency_hold is not None:
             os.close(latency_hold)
 

@@ -5,11 +5,12 @@ machine (tools/gpu_session.sh launcher and mps)."""
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
 from backends.deploy import mps
-from backends.deploy.launcher import build_parser, start_mps
+from backends.deploy.launcher import TritonInstall, build_parser, server_env, start_mps
 
 FAKE = """#!/bin/sh
 log="{log}"
@@ -65,22 +66,35 @@ def test_launcher_starts_no_daemon_unless_asked_and_only_for_a_gpu_deployment(tm
 
 def test_launcher_serves_on_with_a_warning_where_mps_cannot_start(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "")  # recorded, so that the test's end restores it
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     assert start_mps(True, "gpu", tmp_path / "mps") is None
     assert "serving without MPS" in capsys.readouterr().out
-    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
 
 
-def test_launcher_gives_the_server_the_daemons_environment(tmp_path, monkeypatch):
+def test_the_daemons_environment_goes_to_the_server_alone(tmp_path, monkeypatch):
+    """The launcher passes Daemon.env() to the server (TritonServer's env), not to its own environment:
+    a CUDA context in the launching process would make it a client that keeps the daemon alive."""
     _, log = fake_control(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
-        monkeypatch.setenv(name, "")  # recorded first, so that the test's end restores what was there
-        monkeypatch.delenv(name)
+    before = dict(os.environ)
     daemon = start_mps(True, "gpu", tmp_path / "mps")
-    assert daemon is not None
-    # The server's environment is built from ours when it starts (launcher.server_env).
-    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
-    daemon.stop()
+    assert daemon is not None and dict(os.environ) == before
+    install = TritonInstall(binary=tmp_path / "tritonserver", backend_dir=tmp_path)
+    env = server_env(install, tmp_path / "stub-bin", daemon.env())
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in server_env(install, tmp_path / "stub-bin")
+    assert daemon.stop(timeout_s=5)
     assert log.read_text().splitlines()[-1] == f"stdin quit {tmp_path / 'mps' / 'pipe'}"
+
+
+def test_daemon_processes_are_found_by_their_pipe_folder(tmp_path):
+    """stop() waits for the daemon and its server to exit: they are told apart from other MPS daemons
+    by the pipe folder in their environment (a /proc stand-in here)."""
+    proc = tmp_path / "proc"
+    for pid, comm, pipe in ((11, "nvidia-cuda-mps-control", "/tmp/a/pipe"), (12, "nvidia-cuda-mps-server", "/tmp/a/pipe"),
+                            (13, "nvidia-cuda-mps-control", "/tmp/b/pipe"), (14, "python3", "/tmp/a/pipe")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "comm").write_text(comm + "\n")
+        (proc / str(pid) / "environ").write_bytes(b"PATH=/bin\0CUDA_MPS_PIPE_DIRECTORY=" + pipe.encode() + b"\0")
+    (proc / "15").mkdir()  # gone while we looked: skipped
+    assert sorted(mps.daemon_pids(Path("/tmp/a/pipe"), proc)) == [11, 12]
+    assert mps.daemon_pids(Path("/tmp/c/pipe"), proc) == []
