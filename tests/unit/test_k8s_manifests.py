@@ -20,8 +20,10 @@ import yaml  # pinned in requirements.txt
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ("single-gpu", "multi-gpu")
-GPUS = {"single-gpu": 1, "multi-gpu": 2}
+OVERLAYS = ("single-gpu", "multi-gpu", "mps")
+GPUS = {"single-gpu": 1, "multi-gpu": 2, "mps": 1}
+# moonvit3d instances per GPU: one, except under MPS (overlays/mps; README, Scale out).
+ENCODERS = {"single-gpu": "1", "multi-gpu": "1", "mps": "2"}
 # Kubernetes versions the manifests must be valid for (schemas bundled by kubernetes-validate).
 K8S_VERSIONS = ("1.29", "1.33")
 HPA_METRIC = "kimi_vision_queue_us_per_request"
@@ -241,7 +243,7 @@ def test_core_objects_match_the_kubernetes_schemas(rendered):
                     path = ".".join(str(p) for p in e.path)
                     pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} invalid for Kubernetes {version} at {path}: {e.message}")
                 checked += 1
-    assert checked == len(K8S_VERSIONS) * (2 * 4 + 1)
+    assert checked == len(K8S_VERSIONS) * (len(OVERLAYS) * 4 + 1)
 
 
 def test_service_monitor_scrapes_the_metrics_port(rendered):
@@ -408,8 +410,10 @@ def test_gpu_resources_and_instances_per_gpu(rendered):
         assert 0 < quantity(target) <= 1e6  # microseconds of queue time per request
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["KIMI_DEVICE"] == "gpu"
-        # Per GPU (the launcher renders one instance group per GPU), hence the same in every overlay.
-        assert env["KIMI_ENCODER_INSTANCES"] == "1" and env["KIMI_PREPROCESS_INSTANCES"] == "2"
+        # Per GPU (the launcher renders one instance group per GPU), hence the same whatever the GPU count;
+        # two encoder instances only where MPS lets them run side by side.
+        assert env["KIMI_ENCODER_INSTANCES"] == ENCODERS[name] and env["KIMI_PREPROCESS_INSTANCES"] == "2"
+        assert env.get("KIMI_MPS") == ("1" if name == "mps" else None)
         assert "moonvit3d instances per GPU" in LAUNCHER and "kimi_preprocess instances per GPU" in LAUNCHER
         images = {x["image"] for x in pod["containers"] + pod["initContainers"]}
         assert images == {"kimi-vision-triton:latest"}
