@@ -1,12 +1,13 @@
 """The encoder alone in a short burst and under sustained load, with the GPU's SM clock beside each.
 
 bench/perf.py compares served images/s with "the encoder alone": a graph replay timed 20 times after 3
-warm-ups, about half a second of work. perf_analyzer's figure comes from many seconds of load. If the
+warm-ups, about half a second of work (and a full batch 5 times after 2). perf_analyzer's figure comes from many seconds of load. If the
 GPU holds a higher clock for half a second than for ten, the burst figure is a rate that no sustained
 service could reach, the encoder itself included. This bench times the same forward both ways in one
-process, one after the other, and samples `nvidia-smi` (SM clock, power) every 100 ms meanwhile:
+process, one after the other, and samples `nvidia-smi` (SM clock, power draw and limit) every 100 ms
+meanwhile (nvidia-smi's power reading is itself an average, so a burst's watts lag):
 
-- `burst`: 20 calls after 3 warm-ups (bench/perf.py's measurement);
+- `burst`: 20 calls after 3 warm-ups (bench/perf.py's measurement of one request);
 - `sustained`: calls back to back for `--seconds`, reported over the last half;
 - the same two for a full moonvit3d batch (`--batch` requests in one forward, eager over the graphs'
   patch bound), which is what the encoder runs under concurrency.
@@ -33,19 +34,28 @@ from backends.deploy.repository import Deployment
 from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess import Preprocessor
 from backends.weights.load import load_model
-from bench.gpu_timing import machine_line
+from bench.gpu_timing import machine_line, timed
 from bench.perf import request_images
 
 
+def _gpu_id() -> str:
+    """This process's cuda:0 as nvidia-smi names it (its UUID: nvidia-smi's indices ignore
+    CUDA_VISIBLE_DEVICES)."""
+    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+    return ("GPU-" + uuid if uuid and not uuid.startswith("GPU-") else uuid) or "0"
+
+
 class ClockSampler:
-    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for GPU 0 as this process sees it."""
+    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for this process's cuda:0, and the
+    power limit it reports."""
 
     def __init__(self):
         self.samples: list[tuple[float, float, float]] = []
+        self.limit_w = float("nan")
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
-                 "-i", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
+                 "-lms", "100", "-i", _gpu_id()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self.proc = None
             return
@@ -54,7 +64,7 @@ class ClockSampler:
     def _read(self):
         for line in self.proc.stdout:
             try:
-                mhz, watts = (float(x) for x in line.split(","))
+                mhz, watts, self.limit_w = (float(x) for x in line.split(","))
             except ValueError:
                 continue
             self.samples.append((time.perf_counter(), mhz, watts))
@@ -68,21 +78,16 @@ class ClockSampler:
     def close(self):
         if self.proc is not None:
             self.proc.terminate()
+            self.proc.wait(timeout=10)
 
 
 def _one(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return timed(fn, 1, warmup=0)[0]
 
 
 def burst(fn, clocks: ClockSampler) -> tuple[float, str]:
-    for _ in range(3):
-        fn()
     t0 = time.perf_counter()
-    times = [_one(fn) for _ in range(20)]
+    times = timed(fn, 20, warmup=3)
     return statistics.median(times), clocks.between(t0, time.perf_counter())
 
 
@@ -134,6 +139,7 @@ def main(argv=None) -> int:
             lines += measure(model, cfg, kind, args.batch, args.seconds, args.rest, clocks)
     finally:
         clocks.close()
+    lines.append(f"power limit reported by nvidia-smi: {clocks.limit_w:.0f} W")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

@@ -27,7 +27,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -183,8 +182,10 @@ def main(argv=None) -> int:
     if args.mps:
         if args.url:
             raise SystemExit("--mps starts a daemon for our own server; a running server (--url) has its own setup")
+        if resolve_device(args.device) != "gpu":
+            raise SystemExit("--mps needs a GPU deployment")
         try:  # a measurement that asks for MPS must not quietly run without it
-            daemon = mps.start(Path(tempfile.gettempdir()) / "kimi-mps-perf")
+            daemon = mps.start(mps.folder_for("perf"))
         except mps.MpsUnavailable as exc:
             raise SystemExit(f"--mps: {exc}") from None
     try:

@@ -121,13 +121,20 @@ for stage in "$@"; do
         [[ $1 == mps* ]] && extra+=(--mps)
         rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
         # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it (and its daemon).
-        timeout -s INT -k 30 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
+        # -k 90: the server's drain (up to ~35 s) and the daemon's stop (up to 30 s) come before a kill.
+        timeout -s INT -k 90 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
           --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
           --shared-memory cuda --encoder-alone "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
         if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
           { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
         else
           { echo "### $1: no summary"; tail -20 "$out/perf_gpu_$tag.log"; } | tee -a "$out/perf_gpu.md"
+        fi
+        if [[ $1 == mps* ]]; then  # did the run's daemon go? (a leftover refuses the next run's)
+          { echo "MPS processes left on bench.perf's pipe folder: $(python3 -c "from backends.deploy import mps
+print(len(mps.daemon_pids(mps.folder_for('perf') / 'pipe')))")"
+            tail -5 "$(python3 -c "from backends.deploy import mps; print(mps.folder_for('perf') / 'log' / 'control.log')")" 2> /dev/null
+          } | tee -a "$out/perf_gpu.md"
         fi
       }
       for v in ${MPS_VARIANTS:-no-mps mps}; do
@@ -176,25 +183,30 @@ for stage in "$@"; do
       python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_sustained.log" 2>&1
       tail -40 "$out/encoder_sustained.log" ;;
     launcher)  # `make serve`'s launcher itself on the GPU with LAUNCHER_ARGS (default: the CPU wake-up latency
-      # hold, its own MPS daemon, two encoder instances): ready, the descriptor held, the MPS server up,
-      # one sample request answered, a clean stop on SIGINT that takes the daemon with it
-      python3 -m backends.deploy.launcher --device gpu ${LAUNCHER_ARGS:---cpu-latency-us 0 --mps --encoder-instances 2} \
-        --address 127.0.0.1 --http-port 8300 --grpc-port 8301 --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
+      # hold, its own MPS daemon, two encoder instances; LAUNCHER_ARGS= for none): ready, the descriptor
+      # held, the MPS server up, one sample request answered, a clean stop on SIGINT that takes the daemon
+      # (the processes of its pipe folder, backends/deploy/mps.py daemon_pids) with it
+      largs=${LAUNCHER_ARGS-"--cpu-latency-us 0 --mps --encoder-instances 2"}
+      mps_left() { python3 -c "from backends.deploy import mps; print(len(mps.daemon_pids(mps.folder_for('$1') / 'pipe')))"; }
+      python3 -m backends.deploy.launcher --device gpu $largs --address 127.0.0.1 --http-port 8300 --grpc-port 8301 \
+        --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
+      ready=no
       for _ in $(seq 90); do
         python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8300/v2/health/ready', timeout=2)" \
-          2> /dev/null && break
+          2> /dev/null && { ready=yes; break; }
         kill -0 $launcher 2> /dev/null || break; sleep 2
       done
-      { echo "\$ python -m backends.deploy.launcher --device gpu ${LAUNCHER_ARGS:---cpu-latency-us 0 --mps --encoder-instances 2}"
+      { echo "\$ python -m backends.deploy.launcher --device gpu $largs"
+        echo "ready: $ready"
         grep -E 'CPU wake-up|MPS|warning' "$out/launcher.log" | head -5
         echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
-        echo "MPS processes while serving: control $(pgrep -c -f 'nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')"
+        echo "MPS processes on the launcher's pipe folder while serving: $(mps_left 8301)"
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | head -12
         python3 -c "from clients.kimi_client import KimiVisionClient, chat_prompt_ids; from clients.samples import sample_images
 i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); print(c.infer(chat_prompt_ids(len(i)), i).summary())"
         kill -INT $launcher; } 2>&1 | tee "$out/launcher.md"
       wait $launcher; echo "launcher exit status $?" | tee -a "$out/launcher.md"
-      sleep 2; echo "MPS processes after the stop: control $(pgrep -c -f 'nvidia-cuda-mps-control') server $(pgrep -c -f '^nvidia-cuda-mps-server')" | tee -a "$out/launcher.md" ;;
+      echo "MPS processes on the launcher's pipe folder after the stop: $(mps_left 8301)" | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;

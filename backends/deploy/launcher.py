@@ -28,7 +28,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import urllib.request
@@ -418,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
                          "states (more idle power; README: Scale out). Off by default; needs write access to "
                          "the device")
-    ap.add_argument("--mps", action=argparse.BooleanOptionalAction, default=os.environ.get("KIMI_MPS", "0") == "1",
+    ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
+                    default=os.environ.get("KIMI_MPS", "0").strip().lower() in ("1", "true", "yes", "on"),
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
                          "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
                          "large images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
@@ -457,19 +457,26 @@ def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
     return daemon
 
 
+def _exit_on_sigterm(signum, _frame):
+    """Until the server is up (then _serve's drain takes over): unwind, so that `finally` stops what was
+    started (the MPS daemon), instead of dying on the default action."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
-    # Under the temp folder, not build/: the daemon's socket path must stay short (108 bytes at most).
-    daemon = start_mps(args.mps, device, Path(tempfile.gettempdir()) / f"kimi-mps-{args.grpc_port}")
+    daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))
     try:
         return _render_and_serve(args, device, dep, daemon)
     finally:
-        if daemon is not None:  # after the server and its stubs are gone
-            daemon.stop()
+        if daemon is not None and not daemon.stop():  # after the server and its stubs are gone
+            print(f"warning: the MPS daemon on {daemon.pipe_dir} was still running 30 s after the server stopped",
+                  flush=True)
 
 
 def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | None) -> int:

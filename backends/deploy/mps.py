@@ -6,11 +6,12 @@ turns. Under MPS (the Multi-Process Service) the processes' kernels share the GP
 instances can keep it busier than one forward at a time does (README, Scale out; the measurements are
 in bench/results/h200-2026-12-01-seventh.md).
 
-`start(folder)` runs `nvidia-cuda-mps-control -d` with its pipe and log folders under `folder`; every
-CUDA process that carries `Daemon.env()` (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) in its
+`start(folder_for(tag))` runs `nvidia-cuda-mps-control -d` with its pipe and log folders under that
+folder; every CUDA process that carries `Daemon.env()` (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) in its
 environment becomes its client. Processes started before, or without that environment, are not: the
 launcher gives it to the server alone (TritonServer's `env`), not to itself. `stop()` asks the daemon
-to quit once the server's processes have exited, and waits until it and its MPS server are gone.
+to quit once the server's processes have exited, and waits until it and its MPS server are gone
+(docs/triton_runtime.md#cuda-mps).
 
 Where a host already runs a daemon (a Kubernetes device plugin's MPS sharing, an operator's own), do
 not start another: give the server that daemon's CUDA_MPS_PIPE_DIRECTORY instead.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,24 +31,36 @@ CONTROL = "nvidia-cuda-mps-control"
 
 
 class MpsUnavailable(RuntimeError):
-    """No control binary, or the daemon would not start."""
+    """No control binary, no usable folder, or the daemon would not start."""
 
 
-@dataclass(frozen=True)
+def folder_for(tag: str) -> Path:
+    """Where the daemon of one server keeps its pipe and log folders: under the temp folder, not build/,
+    because the daemon listens on a Unix socket in the pipe folder and such a path may not exceed 108
+    bytes. `tag` tells servers on one host apart (the launcher uses its gRPC port)."""
+    return Path(tempfile.gettempdir()) / f"kimi-mps-{tag}"
+
+
+@dataclass
 class Daemon:
     pipe_dir: Path
     log_dir: Path
     binary: str
+    stopped: bool = False
 
     def env(self) -> dict[str, str]:
         """The environment that makes a CUDA process this daemon's client."""
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
     def stop(self, timeout_s: float = 30.0) -> bool:
-        """Asks the daemon to quit and waits until it and its MPS server have exited; False if they were
-        still there after `timeout_s`. Call it after every client exited: `quit` only stops the daemon
-        once its clients are gone, so a process that still holds a CUDA context under it (the caller
-        itself, say) keeps it alive, and a new daemon on the same folders is then refused."""
+        """Asks the daemon to quit and waits until no process of its pipe folder is left (daemon_pids);
+        False if one still was after `timeout_s`. Call it after every client exited: a daemon quits only
+        once its clients are gone (NVIDIA's documentation), so a process that still holds a CUDA context
+        under it keeps it there, and a new daemon on the same folders is refused. A second call does
+        nothing."""
+        if self.stopped:
+            return True
+        self.stopped = True
         deadline = time.monotonic() + timeout_s
         try:
             subprocess.run([self.binary], input="quit\n", text=True, env={**os.environ, **self.env()},
@@ -61,8 +75,10 @@ class Daemon:
 
 
 def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
-    """The MPS control daemons and servers that run on `pipe_dir` (read from their environment; a
-    process we may not read is skipped)."""
+    """The MPS control daemons and servers that run on `pipe_dir`, told from other daemons by that folder
+    in their environment (the daemon gets it from us and, we expect, hands it to its server; not yet
+    checked on a GPU). A process we may not read is skipped. The kernel keeps 15 characters of a
+    process name: both read `nvidia-cuda-mps`."""
     want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
     pids = []
     for entry in proc.glob("[0-9]*"):
@@ -76,20 +92,34 @@ def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     return pids
 
 
+def _own_folder(folder: Path) -> None:
+    """`folder` exists, is ours and only ours (its path is predictable, in a shared temp folder)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():
+        raise MpsUnavailable(f"{folder} belongs to another user")
+
+
 def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> Daemon:
-    """Starts a control daemon whose pipe and log folders lie under `folder`. Raises MpsUnavailable."""
+    """Starts a control daemon whose pipe and log folders lie under `folder`. A daemon an earlier run left
+    on the same folder is asked to quit first. Raises MpsUnavailable."""
     binary = binary or shutil.which(CONTROL)
     if not binary:
         raise MpsUnavailable(f"{CONTROL} is not on PATH (it comes with the NVIDIA driver)")
     folder = Path(folder).resolve()
     daemon = Daemon(folder / "pipe", folder / "log", binary)
-    for d in (daemon.pipe_dir, daemon.log_dir):
-        d.mkdir(parents=True, exist_ok=True)
     try:
-        # -d forks the daemon and returns; it refuses (non-zero) if one already owns this pipe folder.
+        for d in (folder, daemon.pipe_dir, daemon.log_dir):
+            _own_folder(d)
+    except OSError as exc:
+        raise MpsUnavailable(f"cannot make its folders under {folder}: {exc}") from None
+    if daemon_pids(daemon.pipe_dir) and not Daemon(daemon.pipe_dir, daemon.log_dir, binary).stop(timeout_s):
+        raise MpsUnavailable(f"a daemon left on {daemon.pipe_dir} by an earlier run did not quit")
+    try:
+        # -d forks the daemon and returns; it refuses (non-zero) while another owns this pipe folder.
         done = subprocess.run([binary, "-d"], env={**os.environ, **daemon.env()}, capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
+        daemon.stop(timeout_s)  # a daemon that did start must not outlive this refusal
         raise MpsUnavailable(f"{binary} -d: {exc}") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip()
@@ -97,4 +127,4 @@ def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> D
     return daemon
 
 
-__all__ = ["CONTROL", "Daemon", "MpsUnavailable", "daemon_pids", "start"]
+__all__ = ["CONTROL", "Daemon", "MpsUnavailable", "daemon_pids", "folder_for", "start"]

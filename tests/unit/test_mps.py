@@ -37,8 +37,36 @@ def test_start_runs_the_daemon_with_its_own_folders_and_stop_asks_it_to_quit(tmp
     pipe, logs = tmp_path / "mps" / "pipe", tmp_path / "mps" / "log"
     assert daemon.env() == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
     assert pipe.is_dir() and logs.is_dir()
-    daemon.stop()
+    assert daemon.stop(timeout_s=5) and daemon.stop(timeout_s=5)  # the second call does nothing
     assert log.read_text().splitlines() == [f"start {pipe} {logs}", f"stdin quit {pipe}"]
+    assert folder_mode(tmp_path / "mps") == 0o700  # a predictable path in a shared folder: ours alone
+
+
+def folder_mode(path):
+    return path.stat().st_mode & 0o777
+
+
+def test_a_daemon_left_on_the_same_folder_is_asked_to_quit_first(tmp_path, monkeypatch):
+    binary, log = fake_control(tmp_path)
+    left = [4242]  # what /proc shows until the leftover has been told to quit
+
+    def pids(pipe_dir, proc=None):
+        return list(left) if "stdin quit" not in (log.read_text() if log.exists() else "") else []
+
+    monkeypatch.setattr(mps, "daemon_pids", pids)
+    mps.start(tmp_path / "mps", binary)
+    pipe = tmp_path / "mps" / "pipe"
+    assert log.read_text().splitlines() == [f"stdin quit {pipe}", f"start {pipe} {tmp_path / 'mps' / 'log'}"]
+
+
+def test_unusable_folders_are_reported_not_raised_as_os_errors(tmp_path, monkeypatch):
+    binary, _ = fake_control(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(mps.MpsUnavailable, match="cannot make its folders"):
+        mps.start(tmp_path / "a-file" / "mps", binary)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    with pytest.raises(mps.MpsUnavailable, match="belongs to another user"):
+        mps.start(tmp_path / "mps", binary)
 
 
 def test_a_refusing_daemon_is_reported_with_what_it_said(tmp_path):
@@ -56,8 +84,9 @@ def test_no_control_binary_is_reported(tmp_path, monkeypatch):
 def test_launcher_starts_no_daemon_unless_asked_and_only_for_a_gpu_deployment(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KIMI_MPS", raising=False)
     assert build_parser().parse_args([]).mps is False
-    monkeypatch.setenv("KIMI_MPS", "1")
-    assert build_parser().parse_args([]).mps is True
+    for on in ("1", "true", "on"):
+        monkeypatch.setenv("KIMI_MPS", on)
+        assert build_parser().parse_args([]).mps is True
     assert build_parser().parse_args(["--no-mps"]).mps is False
     assert start_mps(False, "gpu", tmp_path) is None
     assert start_mps(True, "cpu", tmp_path) is None
@@ -75,6 +104,7 @@ def test_the_daemons_environment_goes_to_the_server_alone(tmp_path, monkeypatch)
     a CUDA context in the launching process would make it a client that keeps the daemon alive."""
     _, log = fake_control(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     before = dict(os.environ)
     daemon = start_mps(True, "gpu", tmp_path / "mps")
     assert daemon is not None and dict(os.environ) == before
@@ -90,11 +120,51 @@ def test_daemon_processes_are_found_by_their_pipe_folder(tmp_path):
     """stop() waits for the daemon and its server to exit: they are told apart from other MPS daemons
     by the pipe folder in their environment (a /proc stand-in here)."""
     proc = tmp_path / "proc"
-    for pid, comm, pipe in ((11, "nvidia-cuda-mps-control", "/tmp/a/pipe"), (12, "nvidia-cuda-mps-server", "/tmp/a/pipe"),
-                            (13, "nvidia-cuda-mps-control", "/tmp/b/pipe"), (14, "python3", "/tmp/a/pipe")):
+    # The kernel keeps 15 characters of a process name: control daemon and server both read so.
+    for pid, comm, pipe in ((11, "nvidia-cuda-mps", "/tmp/a/pipe"), (12, "nvidia-cuda-mps", "/tmp/a/pipe"),
+                            (13, "nvidia-cuda-mps", "/tmp/b/pipe"), (14, "python3", "/tmp/a/pipe")):
         (proc / str(pid)).mkdir(parents=True)
         (proc / str(pid) / "comm").write_text(comm + "\n")
         (proc / str(pid) / "environ").write_bytes(b"PATH=/bin\0CUDA_MPS_PIPE_DIRECTORY=" + pipe.encode() + b"\0")
     (proc / "15").mkdir()  # gone while we looked: skipped
     assert sorted(mps.daemon_pids(Path("/tmp/a/pipe"), proc)) == [11, 12]
     assert mps.daemon_pids(Path("/tmp/c/pipe"), proc) == []
+
+
+def test_the_launcher_stops_its_daemon_when_serving_fails_or_sigterm_comes_early(monkeypatch):
+    """The daemon outlives nothing: a server that fails to start, or a SIGTERM before the server is up
+    (the launcher turns it into SystemExit until its drain handler takes over), still reaches stop()."""
+    import signal
+
+    from backends.deploy import launcher
+
+    stops = []
+
+    class StandIn:
+        pipe_dir = "/tmp/stand-in"
+
+        def stop(self):
+            stops.append(1)
+            return True
+
+    monkeypatch.setattr(launcher, "start_mps", lambda asked, device, folder: StandIn() if asked else None)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        def fails(*_):
+            raise RuntimeError("tritonserver exited with code 1 while starting")
+
+        monkeypatch.setattr(launcher, "_render_and_serve", fails)
+        with pytest.raises(RuntimeError, match="while starting"):
+            launcher.main(["--device", "cpu", "--mps"])
+        assert stops == [1]
+
+        def sigterm(*_):
+            launcher._exit_on_sigterm(signal.SIGTERM, None)
+
+        monkeypatch.setattr(launcher, "_render_and_serve", sigterm)
+        with pytest.raises(SystemExit) as exit_:
+            launcher.main(["--device", "cpu", "--mps"])
+        assert exit_.value.code == 128 + signal.SIGTERM and stops == [1, 1]
+        assert signal.getsignal(signal.SIGTERM) is launcher._exit_on_sigterm
+    finally:
+        signal.signal(signal.SIGTERM, before)
