@@ -55,7 +55,7 @@ class ClockSampler:
         try:
             self.proc = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
-                 "-lms", "100", "-i", _gpu_id()], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 "-lms", "100", "-i", _gpu_id()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError:
             self.proc = None
             return
@@ -75,10 +75,18 @@ class ClockSampler:
             return "-"
         return f"{statistics.median(m for m, _ in picked):.0f} MHz, {statistics.median(w for _, w in picked):.0f} W"
 
-    def close(self):
-        if self.proc is not None:
-            self.proc.terminate()
+    def close(self) -> str:
+        """Stops sampling; nvidia-smi's complaint if it gave no sample (a rejected -i or field)."""
+        if self.proc is None:
+            return "nvidia-smi not found"
+        self.proc.terminate()
+        try:
             self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return "" if self.samples else "nvidia-smi gave no samples and did not stop"
+        # stdout belongs to the reader thread; stderr is read here, once nvidia-smi has exited.
+        return "" if self.samples else f"nvidia-smi gave no samples: {self.proc.stderr.read().strip()[:300]}"
 
 
 def _one(fn) -> float:
@@ -86,8 +94,9 @@ def _one(fn) -> float:
 
 
 def burst(fn, clocks: ClockSampler) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    times = timed(fn, 20, warmup=3)
+    timed(fn, 0, warmup=3)
+    t0 = time.perf_counter()  # the clock and power of the timed calls, not of the warm-ups
+    times = timed(fn, 20, warmup=0)
     return statistics.median(times), clocks.between(t0, time.perf_counter())
 
 
@@ -138,8 +147,8 @@ def main(argv=None) -> int:
         for kind in args.images.split(","):
             lines += measure(model, cfg, kind, args.batch, args.seconds, args.rest, clocks)
     finally:
-        clocks.close()
-    lines.append(f"power limit reported by nvidia-smi: {clocks.limit_w:.0f} W")
+        complaint = clocks.close()
+    lines.append(complaint or f"power limit reported by nvidia-smi: {clocks.limit_w:.0f} W")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

@@ -136,6 +136,7 @@ print(len(mps.daemon_pids(mps.folder_for('perf') / 'pipe')))")"
             tail -5 "$(python3 -c "from backends.deploy import mps; print(mps.folder_for('perf') / 'log' / 'control.log')")" 2> /dev/null
           } | tee -a "$out/perf_gpu.md"
         fi
+        save  # each run's results come back even if a later run hangs past the call's limit
       }
       for v in ${MPS_VARIANTS:-no-mps mps}; do
         if [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]]; then one_mps_run "$v"
@@ -200,13 +201,19 @@ print(len(mps.daemon_pids(mps.folder_for('perf') / 'pipe')))")"
         echo "ready: $ready"
         grep -E 'CPU wake-up|MPS|warning' "$out/launcher.log" | head -5
         echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
-        echo "MPS processes on the launcher's pipe folder while serving: $(mps_left 8301)"
+        echo "MPS processes on the launcher's pipe folder while serving: $(mps_left 8301)" \
+          "(on the machine: control $(pgrep -c -f 'nvidia-cuda-mps-control'), server $(pgrep -c -f '^nvidia-cuda-mps-server'))"
+        # mps.daemon_pids expects the MPS server to carry the pipe folder in its environment: does it?
+        server_pid=$(pgrep -o -f '^nvidia-cuda-mps-server')
+        [[ -n $server_pid ]] && echo "MPS server's environment: $(tr '\0' '\n' < /proc/$server_pid/environ | grep '^CUDA_MPS' | tr '\n' ' ')"
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | head -12
         python3 -c "from clients.kimi_client import KimiVisionClient, chat_prompt_ids; from clients.samples import sample_images
 i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); print(c.infer(chat_prompt_ids(len(i)), i).summary())"
         kill -INT $launcher; } 2>&1 | tee "$out/launcher.md"
       wait $launcher; echo "launcher exit status $?" | tee -a "$out/launcher.md"
-      echo "MPS processes on the launcher's pipe folder after the stop: $(mps_left 8301)" | tee -a "$out/launcher.md" ;;
+      echo "MPS processes on the launcher's pipe folder after the stop: $(mps_left 8301)" \
+        "(on the machine: control $(pgrep -c -f 'nvidia-cuda-mps-control'), server $(pgrep -c -f '^nvidia-cuda-mps-server'))" \
+        | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;

@@ -470,13 +470,26 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
-    daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))
+    daemon = None
     try:
+        daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))
         return _render_and_serve(args, device, dep, daemon)
     finally:
-        if daemon is not None and not daemon.stop():  # after the server and its stubs are gone
+        if daemon is not None:  # after the server and its stubs are gone
+            _stop_mps(daemon)
+
+
+def _stop_mps(daemon: mps.Daemon) -> None:
+    """Stops the daemon with SIGTERM and SIGINT held off meanwhile (at most ~30 s): a second signal must
+    neither cut the stop short nor replace the error that brought us here."""
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if not daemon.stop():
             print(f"warning: the MPS daemon on {daemon.pipe_dir} was still running 30 s after the server stopped",
                   flush=True)
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
 
 def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | None) -> int:

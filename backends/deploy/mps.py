@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -74,16 +75,15 @@ class Daemon:
         return True
 
 
-def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
-    """The MPS control daemons and servers that run on `pipe_dir`, told from other daemons by that folder
-    in their environment (the daemon gets it from us and, we expect, hands it to its server; not yet
-    checked on a GPU). A process we may not read is skipped. The kernel keeps 15 characters of a
-    process name: both read `nvidia-cuda-mps`."""
+def _pids_on(pipe_dir: Path, proc: Path, mps_processes: bool) -> list[int]:
+    """Processes with CUDA_MPS_PIPE_DIRECTORY=`pipe_dir` in their environment: the MPS daemon and server
+    (`mps_processes`), or the others, its clients. A process we may not read is skipped. The kernel keeps
+    15 characters of a process name: control daemon and server both read `nvidia-cuda-mps`."""
     want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
     pids = []
     for entry in proc.glob("[0-9]*"):
         try:
-            if not (entry / "comm").read_text().startswith("nvidia-cuda-mps"):
+            if (entry / "comm").read_text().startswith("nvidia-cuda-mps") != mps_processes:
                 continue
             if want in (entry / "environ").read_bytes().split(b"\0"):
                 pids.append(int(entry.name))
@@ -92,39 +92,70 @@ def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     return pids
 
 
+def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
+    """The MPS control daemon and server that run on `pipe_dir`, told from other daemons by that folder in
+    their environment (the daemon gets it from us and, we expect, hands it to its server; not yet
+    checked on a GPU: tools/gpu_session.sh's launcher stage prints what it finds)."""
+    return _pids_on(pipe_dir, proc, True)
+
+
+def client_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
+    """Processes other than the daemon's own that carry `pipe_dir`: its clients, or would-be clients."""
+    return _pids_on(pipe_dir, proc, False)
+
+
 def _own_folder(folder: Path) -> None:
-    """`folder` exists, is ours and only ours (its path is predictable, in a shared temp folder)."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if folder.stat().st_uid != os.getuid():
+    """`folder` is a real folder (no link), ours, and only ours: its path is predictable, in a shared temp
+    folder. One left by an older run keeps working; its mode is set again."""
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise MpsUnavailable(f"{folder} is not a folder (a link or a file)")
+    if st.st_uid != os.geteuid():
         raise MpsUnavailable(f"{folder} belongs to another user")
+    os.chmod(folder, 0o700)
 
 
 def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> Daemon:
-    """Starts a control daemon whose pipe and log folders lie under `folder`. A daemon an earlier run left
-    on the same folder is asked to quit first. Raises MpsUnavailable."""
+    """Starts a control daemon whose pipe and log folders lie under `folder` (made if missing; its parent
+    must exist). A daemon an earlier run left on the same folder is asked to quit first, unless processes
+    still use it (then this start is refused: quitting would take their daemon away). Raises
+    MpsUnavailable."""
     binary = binary or shutil.which(CONTROL)
     if not binary:
         raise MpsUnavailable(f"{CONTROL} is not on PATH (it comes with the NVIDIA driver)")
-    folder = Path(folder).resolve()
+    folder = Path(folder)
     daemon = Daemon(folder / "pipe", folder / "log", binary)
     try:
         for d in (folder, daemon.pipe_dir, daemon.log_dir):
             _own_folder(d)
     except OSError as exc:
         raise MpsUnavailable(f"cannot make its folders under {folder}: {exc}") from None
-    if daemon_pids(daemon.pipe_dir) and not Daemon(daemon.pipe_dir, daemon.log_dir, binary).stop(timeout_s):
-        raise MpsUnavailable(f"a daemon left on {daemon.pipe_dir} by an earlier run did not quit")
+    if daemon_pids(daemon.pipe_dir):
+        users = client_pids(daemon.pipe_dir)
+        if users:
+            raise MpsUnavailable(f"a daemon already runs on {daemon.pipe_dir}, used by processes {users[:8]}")
+        if not Daemon(daemon.pipe_dir, daemon.log_dir, binary).stop(timeout_s):
+            raise MpsUnavailable(f"a daemon left on {daemon.pipe_dir} by an earlier run did not quit")
     try:
-        # -d forks the daemon and returns; it refuses (non-zero) while another owns this pipe folder.
+        # -d forks the daemon and returns; it refuses (non-zero) while another owns this pipe folder. Its
+        # own session: a Ctrl-C or `timeout -s INT` meant for our process group must not reach the
+        # daemon while the server it serves is still draining.
         done = subprocess.run([binary, "-d"], env={**os.environ, **daemon.env()}, capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+                              timeout=timeout_s, check=False, start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
         daemon.stop(timeout_s)  # a daemon that did start must not outlive this refusal
         raise MpsUnavailable(f"{binary} -d: {exc}") from None
+    except BaseException:  # interrupted (SIGTERM as SystemExit, Ctrl-C): the same, then go on unwinding
+        daemon.stop(timeout_s)
+        raise
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip()
         raise MpsUnavailable(f"{binary} -d exited with status {done.returncode}{': ' + said if said else ''}")
     return daemon
 
 
-__all__ = ["CONTROL", "Daemon", "MpsUnavailable", "daemon_pids", "folder_for", "start"]
+__all__ = ["CONTROL", "Daemon", "MpsUnavailable", "client_pids", "daemon_pids", "folder_for", "start"]

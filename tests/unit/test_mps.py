@@ -64,9 +64,31 @@ def test_unusable_folders_are_reported_not_raised_as_os_errors(tmp_path, monkeyp
     (tmp_path / "a-file").write_text("")
     with pytest.raises(mps.MpsUnavailable, match="cannot make its folders"):
         mps.start(tmp_path / "a-file" / "mps", binary)
-    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "elsewhere")  # planted where our folder would be
+    with pytest.raises(mps.MpsUnavailable, match="is not a folder"):
+        mps.start(tmp_path / "linked", binary)
+    owner = os.stat(tmp_path).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)
     with pytest.raises(mps.MpsUnavailable, match="belongs to another user"):
         mps.start(tmp_path / "mps", binary)
+
+
+def test_a_folder_left_by_an_older_run_is_made_ours_alone_again(tmp_path):
+    binary, _ = fake_control(tmp_path)
+    (tmp_path / "mps" / "pipe").mkdir(parents=True)
+    os.chmod(tmp_path / "mps", 0o755)
+    mps.start(tmp_path / "mps", binary).stop(timeout_s=5)
+    assert folder_mode(tmp_path / "mps") == folder_mode(tmp_path / "mps" / "pipe") == 0o700
+
+
+def test_a_daemon_still_in_use_is_not_asked_to_quit(tmp_path, monkeypatch):
+    binary, log = fake_control(tmp_path)
+    monkeypatch.setattr(mps, "daemon_pids", lambda pipe_dir, proc=None: [4242])
+    monkeypatch.setattr(mps, "client_pids", lambda pipe_dir, proc=None: [5151])
+    with pytest.raises(mps.MpsUnavailable, match=r"used by processes \[5151\]"):
+        mps.start(tmp_path / "mps", binary)
+    assert not log.exists()  # neither quit nor -d was sent
 
 
 def test_a_refusing_daemon_is_reported_with_what_it_said(tmp_path):
@@ -128,6 +150,7 @@ def test_daemon_processes_are_found_by_their_pipe_folder(tmp_path):
         (proc / str(pid) / "environ").write_bytes(b"PATH=/bin\0CUDA_MPS_PIPE_DIRECTORY=" + pipe.encode() + b"\0")
     (proc / "15").mkdir()  # gone while we looked: skipped
     assert sorted(mps.daemon_pids(Path("/tmp/a/pipe"), proc)) == [11, 12]
+    assert mps.client_pids(Path("/tmp/a/pipe"), proc) == [14]
     assert mps.daemon_pids(Path("/tmp/c/pipe"), proc) == []
 
 
