@@ -280,6 +280,7 @@ def test_service_monitor_scrapes_the_metrics_port(rendered):
 
 LAUNCHER = (ROOT / "backends" / "deploy" / "launcher.py").read_text()
 SUPERVISOR = (ROOT / "backends" / "deploy" / "supervisor.py").read_text()
+MPS = (ROOT / "backends" / "deploy" / "mps.py").read_text()
 ENTRYPOINT = (ROOT / "docker" / "entrypoint.sh").read_text()
 DOCKERFILE = (ROOT / "docker" / "Dockerfile").read_text()
 
@@ -336,7 +337,9 @@ def test_graceful_shutdown_outlasts_the_drain(rendered):
         assert cmd[0] == "sleep"
         pre_stop = float(cmd[1])
         assert 0 < pre_stop <= 15
-        assert pod["terminationGracePeriodSeconds"] >= pre_stop + supervisor_stop + 10
+        # Under MPS the launcher then stops its daemon too (Daemon.stop's default timeout).
+        mps_stop = _number(r"def stop\(self, timeout_s: float = ([\d.]+)\)", MPS, "Daemon.stop timeout") if name == "mps" else 0
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + supervisor_stop + mps_stop + 10
 
 
 def test_pod_runs_unprivileged_with_its_writable_paths(rendered):
