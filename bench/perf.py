@@ -190,10 +190,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"--mps: {exc}") from None
     try:
         return measure(args, argv, daemon)  # stops the daemon itself once the server is gone
-    except BaseException:
+    finally:
         if daemon is not None:
-            daemon.stop()
-        raise
+            daemon.stop()  # a no-op after measure's own stop; the stop on an error
 
 
 def measure(args, argv, daemon: mps.Daemon | None = None) -> int:
@@ -225,7 +224,7 @@ def measure(args, argv, daemon: mps.Daemon | None = None) -> int:
     # Under --mps the server and perf_analyzer are the daemon's clients; this process is not (its own
     # CUDA context, for the encoder alone, would keep the daemon from quitting).
     mps_env = daemon.env() if daemon else {}
-    server = served or deployment_server(dep, f"perf-{device}", env=mps_env or None)
+    server = served or deployment_server(dep, f"perf-{device}", env=mps_env)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows = []
     t0 = time.monotonic()
@@ -271,7 +270,7 @@ def measure(args, argv, daemon: mps.Daemon | None = None) -> int:
                 rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
     if daemon is not None and not daemon.stop():
-        print("warning: the MPS daemon was still running 30 s after the server stopped")
+        print(f"warning: the MPS daemon was still running {mps.STOP_TIMEOUT_S:.0f} s after the server stopped")
     encoder_line = encoder_alone_line(dep, images) if args.encoder_alone and not served else ""
     if encoder_line and daemon is not None:
         encoder_line += " (no MPS)"

@@ -132,8 +132,8 @@ for stage in "$@"; do
         fi
         if [[ $1 == mps* ]]; then  # did the run's daemon go? (a leftover refuses the next run's)
           { echo "MPS processes left on bench.perf's pipe folder: $(python3 -c "from backends.deploy import mps
-print(len(mps.daemon_pids(mps.folder_for('perf') / 'pipe')))")"
-            tail -5 "$(python3 -c "from backends.deploy import mps; print(mps.folder_for('perf') / 'log' / 'control.log')")" 2> /dev/null
+print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")"
+            tail -5 "$(python3 -c "from backends.deploy import mps; print(mps.Daemon.under(mps.folder_for('perf')).log_dir / 'control.log')")" 2> /dev/null
           } | tee -a "$out/perf_gpu.md"
         fi
         save  # each run's results come back even if a later run hangs past the call's limit
@@ -188,7 +188,7 @@ print(len(mps.daemon_pids(mps.folder_for('perf') / 'pipe')))")"
       # held, the MPS server up, one sample request answered, a clean stop on SIGINT that takes the daemon
       # (the processes of its pipe folder, backends/deploy/mps.py daemon_pids) with it
       largs=${LAUNCHER_ARGS-"--cpu-latency-us 0 --mps --encoder-instances 2"}
-      mps_left() { python3 -c "from backends.deploy import mps; print(len(mps.daemon_pids(mps.folder_for('$1') / 'pipe')))"; }
+      mps_left() { python3 -c "from backends.deploy import mps; print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('$1')).pipe_dir)))"; }
       python3 -m backends.deploy.launcher --device gpu $largs --address 127.0.0.1 --http-port 8300 --grpc-port 8301 \
         --metrics-port 8302 > "$out/launcher.log" 2>&1 & launcher=$!
       ready=no

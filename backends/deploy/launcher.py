@@ -480,13 +480,13 @@ def main(argv=None) -> int:
 
 
 def _stop_mps(daemon: mps.Daemon) -> None:
-    """Stops the daemon with SIGTERM and SIGINT held off meanwhile (at most ~30 s): a second signal must
+    """Stops the daemon with SIGTERM and SIGINT held off meanwhile (mps.STOP_TIMEOUT_S at most): a second signal must
     neither cut the stop short nor replace the error that brought us here."""
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if not daemon.stop():
-            print(f"warning: the MPS daemon on {daemon.pipe_dir} was still running 30 s after the server stopped",
-                  flush=True)
+            print(f"warning: the MPS daemon on {daemon.pipe_dir} was still running {mps.STOP_TIMEOUT_S:.0f} s after "
+                  "the server stopped", flush=True)
     finally:
         for sig, handler in held.items():
             signal.signal(sig, handler)

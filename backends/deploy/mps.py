@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.deploy.supervisor import processes
+
 CONTROL = "nvidia-cuda-mps-control"
+STOP_TIMEOUT_S = 30.0  # how long stop() waits for the daemon and its MPS server to go
 
 
 class MpsUnavailable(RuntimeError):
@@ -46,14 +49,20 @@ def folder_for(tag: str) -> Path:
 class Daemon:
     pipe_dir: Path
     log_dir: Path
-    binary: str
+    binary: str = CONTROL
     stopped: bool = False
+
+    @classmethod
+    def under(cls, folder: Path, binary: str = CONTROL) -> "Daemon":
+        """The daemon whose pipe and log folders lie under `folder` (the one layout, for start() and for
+        whoever looks for that daemon's processes or log)."""
+        return cls(Path(folder) / "pipe", Path(folder) / "log", binary)
 
     def env(self) -> dict[str, str]:
         """The environment that makes a CUDA process this daemon's client."""
         return {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir)}
 
-    def stop(self, timeout_s: float = 30.0) -> bool:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
         """Asks the daemon to quit and waits until no process of its pipe folder is left (daemon_pids);
         False if one still was after `timeout_s`. Call it after every client exited: a daemon quits only
         once its clients are gone (NVIDIA's documentation), so a process that still holds a CUDA context
@@ -81,13 +90,13 @@ def _pids_on(pipe_dir: Path, proc: Path, mps_processes: bool) -> list[int]:
     15 characters of a process name: control daemon and server both read `nvidia-cuda-mps`."""
     want = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}".encode()
     pids = []
-    for entry in proc.glob("[0-9]*"):
+    for pid, _, _, _, comm in processes(proc):
+        if comm.startswith("nvidia-cuda-mps") != mps_processes:
+            continue
         try:
-            if (entry / "comm").read_text().startswith("nvidia-cuda-mps") != mps_processes:
-                continue
-            if want in (entry / "environ").read_bytes().split(b"\0"):
-                pids.append(int(entry.name))
-        except (OSError, ValueError):
+            if want in (proc / str(pid) / "environ").read_bytes().split(b"\0"):
+                pids.append(pid)
+        except OSError:
             continue
     return pids
 
@@ -119,7 +128,7 @@ def _own_folder(folder: Path) -> None:
     os.chmod(folder, 0o700)
 
 
-def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> Daemon:
+def start(folder: Path, binary: str | None = None, timeout_s: float = STOP_TIMEOUT_S) -> Daemon:
     """Starts a control daemon whose pipe and log folders lie under `folder` (made if missing; its parent
     must exist). A daemon an earlier run left on the same folder is asked to quit first, unless processes
     still use it (then this start is refused: quitting would take their daemon away). Raises
@@ -128,7 +137,7 @@ def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> D
     if not binary:
         raise MpsUnavailable(f"{CONTROL} is not on PATH (it comes with the NVIDIA driver)")
     folder = Path(folder)
-    daemon = Daemon(folder / "pipe", folder / "log", binary)
+    daemon = Daemon.under(folder, binary)
     try:
         for d in (folder, daemon.pipe_dir, daemon.log_dir):
             _own_folder(d)
@@ -138,7 +147,7 @@ def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> D
         users = client_pids(daemon.pipe_dir)
         if users:
             raise MpsUnavailable(f"a daemon already runs on {daemon.pipe_dir}, used by processes {users[:8]}")
-        if not Daemon(daemon.pipe_dir, daemon.log_dir, binary).stop(timeout_s):
+        if not Daemon.under(folder, binary).stop(timeout_s):  # the leftover: not the daemon returned below
             raise MpsUnavailable(f"a daemon left on {daemon.pipe_dir} by an earlier run did not quit")
     try:
         # -d forks the daemon and returns; it refuses (non-zero) while another owns this pipe folder. Its
@@ -146,16 +155,15 @@ def start(folder: Path, binary: str | None = None, timeout_s: float = 30.0) -> D
         # daemon while the server it serves is still draining.
         done = subprocess.run([binary, "-d"], env={**os.environ, **daemon.env()}, capture_output=True, text=True,
                               timeout=timeout_s, check=False, start_new_session=True)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        daemon.stop(timeout_s)  # a daemon that did start must not outlive this refusal
-        raise MpsUnavailable(f"{binary} -d: {exc}") from None
-    except BaseException:  # interrupted (SIGTERM as SystemExit, Ctrl-C): the same, then go on unwinding
+    except BaseException as exc:  # a daemon that did start must not outlive a failed or interrupted -d
         daemon.stop(timeout_s)
-        raise
+        if isinstance(exc, (OSError, subprocess.TimeoutExpired)):
+            raise MpsUnavailable(f"{binary} -d: {exc}") from None
+        raise  # SIGTERM as SystemExit, Ctrl-C: go on unwinding
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip()
         raise MpsUnavailable(f"{binary} -d exited with status {done.returncode}{': ' + said if said else ''}")
     return daemon
 
 
-__all__ = ["CONTROL", "Daemon", "MpsUnavailable", "client_pids", "daemon_pids", "folder_for", "start"]
+__all__ = ["CONTROL", "STOP_TIMEOUT_S", "Daemon", "MpsUnavailable", "client_pids", "daemon_pids", "folder_for", "start"]

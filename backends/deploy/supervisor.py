@@ -72,10 +72,10 @@ def dead_stub_pids(server_pid: int) -> list[int]:
     return [pid for pid, state, comm in _children(server_pid) if state == "Z" and STUB_BINARY.startswith(comm)]
 
 
-def processes():
+def processes(proc: Path = Path("/proc")):
     """(pid, state, ppid, pgrp, comm) of every process, from /proc/<pid>/stat (processes that exit
     while being read are skipped)."""
-    for entry in Path("/proc").iterdir():
+    for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:

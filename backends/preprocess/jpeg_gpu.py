@@ -165,14 +165,13 @@ class GpuJpegDecoder:
             info, p = infos[first], planes[run[0]]
             if info.factors is None:  # grayscale: convert("RGB") repeats L
                 for r in run:
-                    y = planes[r][0][: info.height, : info.width]
-                    out[todo[r]] = y.unsqueeze(-1).expand(-1, -1, 3).contiguous()
+                    out[todo[r]] = planes[r][0].unsqueeze(-1).expand(-1, -1, 3).contiguous()
             else:
                 # The run's planes lie at a fixed distance from one image to the next in decode_planes'
                 # buffer: one launch converts them all, into one (n, H, W, 3) tensor.
                 step = spacing(p[0], planes[run[1]][0]) if len(run) > 1 else 0
                 y, cb, cr = (stacked([planes[r][c] for r in run], step) for c in range(3))
-                rgb = jpeg_color.ycc_to_rgb_batch(y[:, : info.height, : info.width], cb, cr, *info.factors)
+                rgb = jpeg_color.ycc_to_rgb_batch(y, cb, cr, *info.factors)  # Y planes are (height, width)
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
             self.stats[("gpu", "")] += len(run)

@@ -146,7 +146,7 @@ def test_daemon_processes_are_found_by_their_pipe_folder(tmp_path):
     for pid, comm, pipe in ((11, "nvidia-cuda-mps", "/tmp/a/pipe"), (12, "nvidia-cuda-mps", "/tmp/a/pipe"),
                             (13, "nvidia-cuda-mps", "/tmp/b/pipe"), (14, "python3", "/tmp/a/pipe")):
         (proc / str(pid)).mkdir(parents=True)
-        (proc / str(pid) / "comm").write_text(comm + "\n")
+        (proc / str(pid) / "stat").write_text(f"{pid} ({comm}) S 1 {pid} {pid} 0 -1\n")
         (proc / str(pid) / "environ").write_bytes(b"PATH=/bin\0CUDA_MPS_PIPE_DIRECTORY=" + pipe.encode() + b"\0")
     (proc / "15").mkdir()  # gone while we looked: skipped
     assert sorted(mps.daemon_pids(Path("/tmp/a/pipe"), proc)) == [11, 12]
