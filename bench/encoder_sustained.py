@@ -27,15 +27,12 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from backends.deploy.repository import Deployment
-from backends.encoder.graphs import GraphedEncoder
-from backends.preprocess import Preprocessor
 from backends.weights.load import load_model
 from bench.gpu_timing import machine_line, timed
-from bench.perf import request_images
+from bench.perf import encoder_workload, request_images
 
 
 def _gpu_id() -> str:
@@ -109,9 +106,8 @@ def sustained(fn, seconds: float, clocks: ClockSampler) -> tuple[float, str]:
 
 
 def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, clocks: ClockSampler) -> list[str]:
-    pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(request_images(kind))
-    encoder = GraphedEncoder(model, max_graphs=Deployment("gpu").cuda_graphs)
-    batch_pixels, batch_grids = torch.cat([pixels] * batch), np.concatenate([np.asarray(grids)] * batch)
+    encoder, (pixels, grids), (batch_pixels, batch_grids) = encoder_workload(
+        model, cfg, request_images(kind), Deployment("gpu").cuda_graphs, batch)
     one = (lambda: encoder(pixels, grids), 1)
     full = (lambda: encoder(batch_pixels, batch_grids), batch)
     lines = [f"### {kind}: {pixels.shape[0]} patches per request; a full batch of {batch} "

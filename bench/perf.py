@@ -318,27 +318,37 @@ def encoder_counts(url: str) -> tuple[int, int] | None:
         client.close()
 
 
-def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
-    """The encoder alone in this process, as the server runs it (bf16, CUDA graphs), on the request's
-    pixels: the images/s it allows, to compare the served images/s with in the same run."""
-    import statistics
-
+def encoder_workload(model, cfg, images: list[bytes], cuda_graphs: int, batch: int):
+    """The encoder as moonvit3d runs it (bf16, CUDA graphs) on the request's pixels: (encoder, one
+    request's (pixels, grids), a full dynamic batch of `batch` such requests in one forward's inputs;
+    eager once it passes the graphs' patch bound)."""
     import numpy as np
     import torch
 
     from backends.encoder.graphs import GraphedEncoder
     from backends.preprocess import Preprocessor
+
+    encoder = GraphedEncoder(model, max_graphs=cuda_graphs)
+    pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(images)
+    full = (torch.cat([pixels] * batch), np.concatenate([np.asarray(grids)] * batch))
+    return encoder, (pixels, grids), full
+
+
+def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
+    """The encoder alone in this process, as the server runs it (bf16, CUDA graphs), on the request's
+    pixels: the images/s it allows, to compare the served images/s with in the same run."""
+    import statistics
+
+    import torch
+
     from backends.weights.load import load_model
     from bench.gpu_timing import timed
 
     model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)
-    encoder = GraphedEncoder(model, max_graphs=dep.cuda_graphs)
-    pixels, grids, _ = Preprocessor(cfg.media, device="cuda", out_dtype=torch.bfloat16)(images)
-    ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
-    # What moonvit3d runs under load: a full dynamic batch in one forward (eager once it passes the
-    # graphs' patch limit), per request.
     full = dep.max_batch
-    batch_pixels, batch_grids = torch.cat([pixels] * full), np.concatenate([np.asarray(grids)] * full)
+    encoder, (pixels, grids), (batch_pixels, batch_grids) = encoder_workload(model, cfg, images, dep.cuda_graphs, full)
+    ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
+    # What moonvit3d runs under load: a full dynamic batch in one forward, per request.
     batch_ms = statistics.median(timed(lambda: encoder(batch_pixels, batch_grids), 5, warmup=2)) / full
     return (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
             f"{1000 / ms * len(images):.1f} images/s; {full} requests in one forward (a full moonvit3d batch"
