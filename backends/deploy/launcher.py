@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("KIMI_MPS", "0").strip().lower() in ("1", "true", "yes", "on"),
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
                          "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
-                         "large images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
+                         "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
 
