@@ -338,7 +338,7 @@ def test_graceful_shutdown_outlasts_the_drain(rendered):
         pre_stop = float(cmd[1])
         assert 0 < pre_stop <= 15
         # Under MPS the launcher then stops its daemon too (Daemon.stop's default timeout).
-        mps_stop = _number(r"def stop\(self, timeout_s: float = ([\d.]+)\)", MPS, "Daemon.stop timeout") if name == "mps" else 0
+        mps_stop = _number(r"STOP_TIMEOUT_S = ([\d.]+)", MPS, "Daemon.stop timeout") if name == "mps" else 0
         assert pod["terminationGracePeriodSeconds"] >= pre_stop + supervisor_stop + mps_stop + 10
 
 
