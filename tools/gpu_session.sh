@@ -16,6 +16,8 @@
 #   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
 #   launcher (the launcher on the GPU, LAUNCHER_ARGS default --cpu-latency-us 0 --mps --encoder-instances 2:
 #   holds the limit, runs its MPS daemon, answers, stops),
+#   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
+#   ENVAB_CONCURRENCY; default the nvJPEG bitstreams page-locked or not, 8x448^2 at concurrency 1),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -141,6 +143,20 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       for v in ${MPS_VARIANTS:-no-mps mps}; do
         if [[ $v =~ ^(no-mps|mps)(-2enc)?$ ]]; then one_mps_run "$v"
         else echo "MPS_VARIANTS: '$v' names no run (no-mps[-2enc] or mps[-2enc])" | tee -a "$out/perf_gpu.md"; fi
+      done
+      cat "$out/perf_gpu.md" ;;
+    envab)  # perf_analyzer runs that differ only in one environment setting, alternated (A/B/A/B): each
+      # word of ENVAB_VARIANTS is a NAME=VALUE the server of that run gets (default: KIMI_NVJPEG_PINNED=1,
+      # 0, 1, 0); ENVAB_IMAGES (8x448) and ENVAB_CONCURRENCY (1) choose the requests.
+      perf_setup; random_checkpoint
+      i=0
+      for v in ${ENVAB_VARIANTS:-KIMI_NVJPEG_PINNED=1 KIMI_NVJPEG_PINNED=0 KIMI_NVJPEG_PINNED=1 KIMI_NVJPEG_PINNED=0}; do
+        i=$((i + 1)); run="$out/envab-$i"; rm -rf "$run" "$run.log"
+        env "$v" timeout -s INT -k 60 150 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random \
+          --perf-dir /tmp/perf --images ${ENVAB_IMAGES:-8x448} --concurrency ${ENVAB_CONCURRENCY:-1} --measurement-ms 3000 \
+          --ensembles plain --shared-memory cuda --encoder-alone --out "$run" > "$run.log" 2>&1
+        { echo "### $i: $v"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/perf_gpu.md"
+        save
       done
       cat "$out/perf_gpu.md" ;;
     perf) e2e; perfanalyzer ;;

@@ -132,6 +132,9 @@ class HardwareJpegDecoder:
         self._in_flight: deque[tuple[torch.cuda.Event, list[bytes] | torch.Tensor, int, int]] = deque()
         # (event, bitstreams, their size, stream)
         self._held_bytes = 0
+        # KIMI_NVJPEG_PINNED=0: hand nvJPEG the bytes objects as before (an escape hatch, and the A side of
+        # tools/gpu_session.sh's envab runs).
+        self.pin_bitstreams = os.environ.get("KIMI_NVJPEG_PINNED", "1") != "0"
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -179,8 +182,9 @@ class HardwareJpegDecoder:
         nvJPEG copies each bitstream to the device with cudaMemcpyAsync. From pageable memory (a bytes
         object) that copy holds the host until it is done, one image after another; from page-locked
         memory it is queued like any other copy. So the bitstreams are first copied, back to back, into
-        one page-locked block (`pinned`: None = when they total at most PINNED_BITSTREAM_BYTES; False
-        hands nvJPEG the bytes objects, which tools/preprocess_probe.py compares)."""
+        one page-locked block (`pinned`: None = when they total at most PINNED_BITSTREAM_BYTES and
+        KIMI_NVJPEG_PINNED is not 0; False hands nvJPEG the bytes objects, which
+        tools/preprocess_probe.py compares)."""
         self._release_bitstreams()
         sizes = [[w * h for w, h in zip(i.widths, i.heights)] for i in infos]
         slack = 1 << 16  # room past the last plane, should the decoder write whole MCU rows
@@ -200,7 +204,7 @@ class HardwareJpegDecoder:
                  "nvjpegDecodeBatchedInitialize")
         size = sum(map(len, datas))
         if pinned is None:
-            pinned = size <= PINNED_BITSTREAM_BYTES
+            pinned = self.pin_bitstreams and size <= PINNED_BITSTREAM_BYTES
         if pinned:
             # Kept (below) until the stream has passed this decode: the copies read it after we return.
             held = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
