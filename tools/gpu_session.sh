@@ -17,7 +17,7 @@
 #   launcher (the launcher on the GPU, LAUNCHER_ARGS default --cpu-latency-us 0 --mps --encoder-instances 2:
 #   holds the limit, runs its MPS daemon, answers, stops),
 #   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
-#   ENVAB_CONCURRENCY; default the nvJPEG bitstreams page-locked or not, 8x448^2 at concurrency 1),
+#   ENVAB_CONCURRENCY; default 8x448^2 at concurrency 1),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -146,11 +146,13 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       done
       cat "$out/perf_gpu.md" ;;
     envab)  # perf_analyzer runs that differ only in one environment setting, alternated (A/B/A/B): each
-      # word of ENVAB_VARIANTS is a NAME=VALUE the server of that run gets (default: KIMI_NVJPEG_PINNED=1,
-      # 0, 1, 0); ENVAB_IMAGES (8x448) and ENVAB_CONCURRENCY (1) choose the requests.
+      # word of ENVAB_VARIANTS is a NAME=VALUE the server of that run gets, e.g. "KIMI_GPU_JPEG=1
+      # KIMI_GPU_JPEG=0 KIMI_GPU_JPEG=1 KIMI_GPU_JPEG=0"; ENVAB_IMAGES (8x448) and ENVAB_CONCURRENCY (1)
+      # choose the requests.
       perf_setup; random_checkpoint
       i=0
-      for v in ${ENVAB_VARIANTS:-KIMI_NVJPEG_PINNED=1 KIMI_NVJPEG_PINNED=0 KIMI_NVJPEG_PINNED=1 KIMI_NVJPEG_PINNED=0}; do
+      [[ -n ${ENVAB_VARIANTS:-} ]] || echo "envab: ENVAB_VARIANTS is empty, nothing to run" | tee -a "$out/perf_gpu.md"
+      for v in ${ENVAB_VARIANTS:-}; do
         i=$((i + 1)); run="$out/envab-$i"; rm -rf "$run" "$run.log"
         env "$v" timeout -s INT -k 60 150 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random \
           --perf-dir /tmp/perf --images ${ENVAB_IMAGES:-8x448} --concurrency ${ENVAB_CONCURRENCY:-1} --measurement-ms 3000 \

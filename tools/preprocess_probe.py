@@ -4,8 +4,8 @@ In the server `kimi_preprocess` holds an 8x448^2 request about 1.5 ms longer tha
 takes in a hot loop in one process (bench/results/h200-2026-12-01-fifth.md). This probe separates the
 candidates, in one process, medians of --iters runs each (host wall time, the GPU synchronized at the end):
 - the calls of one GPU decode: Pillow's header parse, nvJPEG's image info, its stream parse and
-  "batched supported" check, the batched decoder's initialization, the decode (its bitstreams handed
-  over from pageable and from page-locked memory; also the host time until it returns), the colour kernel;
+  "batched supported" check, the batched decoder's initialization, the decode (also the host time until
+  it returns), the colour kernel;
 - the whole Preprocessor call back to back, after an idle gap (what the server's preprocessing sees
   while the encoder runs in another process), and after a busy GPU kernel in this process.
 
@@ -60,10 +60,7 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
         "ParseHeader + BatchedSupported (all)": lambda: [dec.unsupported(b, i) for b, i in zip(blobs, infos)],
         "DecodeBatchedInitialize": lambda: dec.lib.nvjpegDecodeBatchedInitialize(dec.handle, dec.state, len(blobs), 1,
                                                                                  NVJPEG_OUTPUT_YUV),
-        "decode_planes (init + decode + sync), bitstreams pageable":
-            lambda: dec.decode_planes(blobs, infos, pinned=False),
-        "decode_planes (init + decode + sync), bitstreams page-locked":
-            lambda: dec.decode_planes(blobs, infos, pinned=True),
+        "decode_planes (init + decode + sync)": lambda: dec.decode_planes(blobs, infos),
         "GpuJpegDecoder.decode (headers, planes, colour)": lambda: jpeg.decode(blobs, images),
         "Preprocessor, back to back": lambda: pre(blobs),
     }
@@ -71,9 +68,8 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
            "| what | ms (median) |", "|---|---|"]
     for what, fn in rows.items():
         out.append(f"| {what} | {_ms(fn, iters):.3f} |")
-    for how, pinned in (("pageable", False), ("page-locked", True)):
-        out.append(f"| decode_planes, host time until it returns, bitstreams {how} | "
-                   f"{_host_ms(lambda: dec.decode_planes(blobs, infos, pinned=pinned), iters):.3f} |")
+    host = _host_ms(lambda: dec.decode_planes(blobs, infos), iters)
+    out.append(f"| decode_planes, host time until it returns | {host:.3f} |")
     out.append(f"| Preprocessor, after {gap_ms:.0f} ms idle | {_ms(lambda: pre(blobs), iters, lambda: time.sleep(gap_ms / 1e3)):.3f} |")
     cycles = int(gap_ms * 1.5e6)  # a spin of gap_ms at 1.5 GHz: shorter at the H200's ~2 GHz boost
     busy = lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize())  # noqa: E731

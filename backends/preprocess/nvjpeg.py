@@ -22,7 +22,6 @@ import sysconfig
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 NVJPEG_BACKEND_HARDWARE = 3
@@ -31,10 +30,6 @@ NVJPEG_OUTPUT_YUV = 1
 # referenced before the decoder asks the stream which decodes it has passed.
 _QUERY_AFTER = 4
 _QUERY_AFTER_BYTES = 16 << 20
-# A decode's bitstreams up to this many bytes go to nvJPEG from page-locked host memory (see
-# decode_planes); larger batches (a few huge JPEGs, where the decode itself dominates) stay where they
-# are, so the page-locked blocks that torch's host allocator keeps for reuse stay small.
-PINNED_BITSTREAM_BYTES = 8 << 20
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -86,7 +81,7 @@ _SIGNATURES = {
     "nvjpegJpegStreamParseHeader": [_P, ctypes.c_char_p, _SIZE, _P],
     "nvjpegDecodeBatchedSupported": [_P, _P, ctypes.POINTER(_INT)],
     "nvjpegDecodeBatchedInitialize": [_P, _P, _INT, _INT, _INT],
-    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(_P), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
+    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
 }
 
 
@@ -127,14 +122,9 @@ class HardwareJpegDecoder:
             self._ok(status, "nvjpegCreateEx(HARDWARE)")
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
-        # Bitstreams (their page-locked copy, or the bytes objects) stay referenced until the stream has
-        # passed the decode that reads them.
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes] | torch.Tensor, int, int]] = deque()
-        # (event, bitstreams, their size, stream)
+        # Bitstreams stay referenced until the stream has passed the decode that reads them.
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int, int]] = deque()  # event, bitstreams, their size, stream
         self._held_bytes = 0
-        # KIMI_NVJPEG_PINNED=0: hand nvJPEG the bytes objects as before (an escape hatch, and the A side of
-        # tools/gpu_session.sh's envab runs).
-        self.pin_bitstreams = os.environ.get("KIMI_NVJPEG_PINNED", "1") != "0"
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -174,17 +164,9 @@ class HardwareJpegDecoder:
             _, _, size, _ = self._in_flight.popleft()
             self._held_bytes -= size
 
-    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo],
-                      pinned: bool | None = None) -> list[list[torch.Tensor]]:
+    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
         """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
-        batched hardware decode on the current stream (no host sync).
-
-        nvJPEG copies each bitstream to the device with cudaMemcpyAsync. From pageable memory (a bytes
-        object) that copy holds the host until it is done, one image after another; from page-locked
-        memory it is queued like any other copy. So the bitstreams are first copied, back to back, into
-        one page-locked block (`pinned`: None = when they total at most PINNED_BITSTREAM_BYTES and
-        KIMI_NVJPEG_PINNED is not 0; False hands nvJPEG the bytes objects, which
-        tools/preprocess_probe.py compares)."""
+        batched hardware decode on the current stream (no host sync)."""
         self._release_bitstreams()
         sizes = [[w * h for w, h in zip(i.widths, i.heights)] for i in infos]
         slack = 1 << 16  # room past the last plane, should the decoder write whole MCU rows
@@ -202,33 +184,13 @@ class HardwareJpegDecoder:
         stream = torch.cuda.current_stream(self.device)
         self._ok(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, len(datas), 1, NVJPEG_OUTPUT_YUV),
                  "nvjpegDecodeBatchedInitialize")
-        size = sum(map(len, datas))
-        if pinned is None:
-            pinned = self.pin_bitstreams and size <= PINNED_BITSTREAM_BYTES
-        if pinned:
-            # Kept (below) until the stream has passed this decode: the copies read it after we return.
-            held = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
-            starts = pack_bitstreams(datas, held.numpy())
-            base = held.data_ptr()
-            pointers = (_P * len(datas))(*[base + s for s in starts])
-        else:
-            held = list(datas)
-            pointers = ctypes.cast((ctypes.c_char_p * len(datas))(*datas), ctypes.POINTER(_P))
+        pointers = (ctypes.c_char_p * len(datas))(*datas)
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
         self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        self._in_flight.append((event, held, size, stream.cuda_stream))
+        size = sum(map(len, datas))
+        self._in_flight.append((event, list(datas), size, stream.cuda_stream))
         self._held_bytes += size
         return planes
-
-
-def pack_bitstreams(datas: list[bytes], out: np.ndarray) -> list[int]:
-    """Copies `datas` back to back into the uint8 array `out`; returns where each one starts."""
-    starts, offset = [], 0
-    for data in datas:
-        out[offset: offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        starts.append(offset)
-        offset += len(data)
-    return starts

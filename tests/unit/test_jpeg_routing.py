@@ -185,18 +185,3 @@ def test_decodes_on_another_stream_are_not_taken_as_passed_with_the_newest():
     dec, _ = _decoder_with(flags, streams=[3] + [7] * (_QUERY_AFTER - 1))
     dec._release_bitstreams()
     assert len(dec._in_flight) == _QUERY_AFTER  # nothing dropped: the oldest still holds the line
-
-
-def test_bitstreams_are_packed_back_to_back_where_the_decoder_is_told():
-    """decode_planes hands nvJPEG pointers into one page-locked block: each must start at its own bytes."""
-    import numpy as np
-
-    from backends.preprocess.nvjpeg import pack_bitstreams
-
-    datas = [b"\xff\xd8abc", b"", b"\x00\x01", bytes(range(256)) * 3]
-    out = np.full(sum(map(len, datas)) + 4, 7, dtype=np.uint8)
-    starts = pack_bitstreams(datas, out)
-    assert starts == [0, 5, 5, 7]
-    for start, data in zip(starts, datas):
-        assert out[start: start + len(data)].tobytes() == data
-    assert out[-4:].tolist() == [7, 7, 7, 7]  # nothing written past them
