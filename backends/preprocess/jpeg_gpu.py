@@ -160,38 +160,31 @@ class GpuJpegDecoder:
         if not todo:
             return out
         planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
-        for run in _same_shape_runs([infos[k] for k in todo], planes):
-            first = todo[run[0]]
-            info, p = infos[first], planes[run[0]]
-            if info.factors is None:  # grayscale: convert("RGB") repeats L
-                for r in run:
-                    out[todo[r]] = planes[r][0].unsqueeze(-1).expand(-1, -1, 3).contiguous()
-            else:
-                # The run's planes lie at a fixed distance from one image to the next in decode_planes'
-                # buffer: one launch converts them all, into one (n, H, W, 3) tensor.
-                step = spacing(p[0], planes[run[1]][0]) if len(run) > 1 else 0
-                y, cb, cr = (stacked([planes[r][c] for r in run], step) for c in range(3))
-                rgb = jpeg_color.ycc_to_rgb_batch(y, cb, cr, *info.factors)  # Y planes are (height, width)
-                for i, r in enumerate(run):
-                    out[todo[r]] = rgb[i]
+        for run in _runs([infos[k] for k in todo]):
+            first = planes[run[0]]
+            info = infos[todo[run[0]]]
+            # decode_planes lays the images out back to back, each one's planes in order: a run's planes of
+            # one kind lie one image's bytes apart, one strided view each, no copy.
+            step = sum(p.numel() for p in first)
+            if len(run) > 1 and spacing(first[0], planes[run[-1]][0]) != step * (len(run) - 1):
+                raise RuntimeError("the decoder's planes are not back to back")  # the caller turns to Pillow
+            y, *chroma = (stacked([planes[r][c] for r in run], step) for c in range(len(first)))
+            if info.factors is None:  # grayscale: convert("RGB") repeats L, one copy for the run
+                rgb = y.unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
+            else:  # one launch converts the run into one (n, H, W, 3) tensor; Y planes are (height, width)
+                rgb = jpeg_color.ycc_to_rgb_batch(y, *chroma, *info.factors)
+            for i, r in enumerate(run):
+                out[todo[r]] = rgb[i]
             self.stats[("gpu", "")] += len(run)
         return out
 
 
-def _same_shape_runs(infos: list[JpegInfo], planes: list[list[torch.Tensor]]) -> list[list[int]]:
-    """Consecutive images with the same plane sizes and sampling whose planes sit at one fixed distance
-    from each image to the next (what decode_planes gives them): each run converts in one launch."""
-    runs: list[list[int]] = []
-    for i, info in enumerate(infos):
-        if runs and info == infos[runs[-1][-1]]:  # same info: the same number and sizes of planes
-            run = runs[-1]
-            last = run[-1]
-            steps = {spacing(planes[last][c], planes[i][c]) for c in range(len(planes[i]))}
-            if len(run) > 1:
-                steps.add(spacing(planes[run[-2]][0], planes[last][0]))
-            step = steps.pop() if len(steps) == 1 else None
-            if step is not None and step > 0:
-                run.append(i)
-                continue
-        runs.append([i])
+def _runs(infos: list[JpegInfo]) -> list[range]:
+    """Consecutive images with the same info (the same sampling, number and sizes of planes): each run
+    is converted in one launch."""
+    runs, start = [], 0
+    for i in range(1, len(infos) + 1):
+        if i == len(infos) or infos[i] != infos[start]:
+            runs.append(range(start, i))
+            start = i
     return runs

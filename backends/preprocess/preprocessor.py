@@ -5,8 +5,8 @@ decoded. On CPU the resize is Pillow itself (the reference). On a GPU, JPEGs tha
 reproduces are decoded there (jpeg_gpu.py: nvJPEG's hardware decoder + libjpeg-turbo's upsampling
 and colour conversion), everything else by Pillow and uploaded; then `bicubic.resize_bicubic`, which
 equals Pillow bit for bit, and one Triton kernel that pads, normalizes and patchifies
-(kernels/patchify.py). Consecutive JPEGs of one size and sampling (eight 448^2 photos) come out of the
-GPU decoder as one tensor and, when their plan needs no resize, are patchified in one launch: on the GPU
+(kernels/patchify.py). Consecutive JPEGs of one size and sampling (eight 448^2 photos, or grayscale
+ones) come out of the GPU decoder as one tensor and, when their plan needs no resize, are patchified in one launch: on the GPU
 path a request of small images costs kernel launches more than kernel time.
 
 Pillow decoding (and on CPU the Pillow resize) runs on a few threads, a bounded window of frames ahead

@@ -100,29 +100,44 @@ def test_self_check_covers_every_sampling_the_gpu_path_takes():
     assert samplings == {"L", (1, 1), (2, 1), (2, 2)}
 
 
-def test_runs_group_consecutive_same_shaped_images_at_one_spacing():
-    """Which decoded images share one colour-kernel launch (CPU tensors stand in for the planes)."""
-    import torch
-
-    from backends.preprocess.jpeg_gpu import _same_shape_runs
+def test_runs_group_consecutive_images_of_one_info():
+    """Which decoded images share one colour-kernel launch (or one grayscale copy)."""
+    from backends.preprocess.jpeg_gpu import _runs
     from backends.preprocess.nvjpeg import JpegInfo
 
     color = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 4:2:0
     gray = JpegInfo(4, 2, 1, 6, (4,), (2,))
     other = JpegInfo(6, 2, 3, 2, (6, 3, 3), (2, 1, 1))
-    buf = torch.zeros(1000, dtype=torch.uint8)
-    infos, planes, offset = [], [], 0
-    for info in (color, color, color, gray, gray, color, other, color, color):
-        views = []
-        for w, h in zip(info.widths, info.heights):
-            views.append(buf[offset: offset + w * h].view(h, w))
-            offset += w * h
-        infos.append(info)
-        planes.append(views)
-    assert _same_shape_runs(infos, planes) == [[0, 1, 2], [3, 4], [5], [6], [7, 8]]
-    # Not evenly spaced (a gap before image 2): a new run.
-    planes[2] = [buf[900 + k * 4: 900 + k * 4 + p.numel()].view(p.shape) for k, p in enumerate(planes[2])]
-    assert _same_shape_runs(infos, planes)[:2] == [[0, 1], [2]]
+    infos = [color, color, color, gray, gray, color, other, color, color]
+    assert [list(r) for r in _runs(infos)] == [[0, 1, 2], [3, 4], [5], [6], [7, 8]]
+    assert _runs([]) == [] and [list(r) for r in _runs([gray])] == [[0]]
+
+
+def test_planes_not_back_to_back_raise_instead_of_converting_wrong_pixels():
+    """A run is read as strided views one image apart; a decoder that laid its planes out otherwise must
+    stop the decode (the preprocessor then decodes those images with Pillow), not feed the kernel."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+    from backends.preprocess.nvjpeg import JpegInfo
+
+    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))
+    buf = torch.zeros(100, dtype=torch.uint8)
+
+    def planes_at(offset):
+        return [buf[offset: offset + 8].view(2, 4), buf[offset + 8: offset + 10].view(1, 2),
+                buf[offset + 10: offset + 12].view(1, 2)]
+
+    hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
+                         decode_planes=lambda datas, infos: [planes_at(0), planes_at(12), planes_at(40)])
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder, dec.stats = hw, Counter()
+    blobs = [bytes([k]) + b"\xff\xd9" for k in range(3)]
+    with pytest.raises(RuntimeError, match="back to back"):
+        dec.decode(blobs, [SimpleNamespace(size=(4, 2))] * 3)
 
 
 class _Event:
