@@ -54,11 +54,14 @@ e2e() {
   python3 -m bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" > "$out/e2e_bench.log" 2>&1
   tail -28 "$out/e2e_bench.log"
 }
+# bench.perf as every perf_analyzer stage runs it: the random checkpoint, the encoder alone measured in the
+# same run, CUDA shared memory for the outputs, 3 s windows; each stage adds images, levels, ensembles, out.
+PERF=(python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --measurement-ms 3000
+      --shared-memory cuda --encoder-alone)
 perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the encoder alone in the same run
   perf_setup; random_checkpoint
   for images in 1024 8x448; do
-    python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images $images \
-      --concurrency 1,4,16 --measurement-ms 3000 --ensembles plain,batched --shared-memory cuda --encoder-alone \
+    "${PERF[@]}" --images $images --concurrency 1,4,16 --ensembles plain,batched \
       --out "$out/perf-$images" > "$out/perf_gpu_$images.log" 2>&1
     grep -E "^perf_analyzer (exited|timed out)|^error" "$out/perf_gpu_$images.log" | head -8
     cat "$out/perf-$images/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_$images.log"
@@ -106,9 +109,8 @@ for stage in "$@"; do
     perfanalyzer) perfanalyzer ;;
     perf2enc)  # one 1024^2 JPEG per request at concurrency 16 with two moonvit3d instances on the GPU
       perf_setup; random_checkpoint
-      python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --images 1024 \
-        --concurrency 16 --measurement-ms 3000 --ensembles plain,batched --shared-memory cuda --encoder-alone \
-        --encoder-instances 2 --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
+      "${PERF[@]}" --images 1024 --concurrency 16 --ensembles plain,batched --encoder-instances 2 \
+        --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
       cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
       cat "$out/perf-1024-2enc/perf_summary.md" ;;
     mps)  # 1024^2 at c=16, plain ensemble, without and then with CUDA MPS (the processes' kernels may
@@ -124,9 +126,8 @@ for stage in "$@"; do
         rm -rf "$out/perf-$tag"  # a warm machine's earlier summary must not pass for this run's
         # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it (and its daemon).
         # -k 90: the server's drain (up to ~35 s) and the daemon's stop (up to 30 s) come before a kill.
-        timeout -s INT -k 90 200 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
-          --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} --measurement-ms 3000 --ensembles plain \
-          --shared-memory cuda --encoder-alone "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
+        timeout -s INT -k 90 200 "${PERF[@]}" --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} \
+          --ensembles plain "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
         if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
           { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
         else
@@ -154,9 +155,8 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       [[ -n ${ENVAB_VARIANTS:-} ]] || echo "envab: ENVAB_VARIANTS is empty, nothing to run" | tee -a "$out/perf_gpu.md"
       for v in ${ENVAB_VARIANTS:-}; do
         i=$((i + 1)); run="$out/envab-$i"; rm -rf "$run" "$run.log"
-        env "$v" timeout -s INT -k 60 150 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random \
-          --perf-dir /tmp/perf --images ${ENVAB_IMAGES:-8x448} --concurrency ${ENVAB_CONCURRENCY:-1} --measurement-ms 3000 \
-          --ensembles plain --shared-memory cuda --encoder-alone --out "$run" > "$run.log" 2>&1
+        env "$v" timeout -s INT -k 60 150 "${PERF[@]}" --images ${ENVAB_IMAGES:-8x448} \
+          --concurrency ${ENVAB_CONCURRENCY:-1} --ensembles plain --out "$run" > "$run.log" 2>&1
         { echo "### $i: $v"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/perf_gpu.md"
         save
       done
@@ -186,8 +186,7 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
           kill -0 $holder 2> /dev/null || { echo "cpu_latency could not hold" | tee -a "$out/stage_cpulat.md"; continue; }
         fi
         if [[ ${CPULAT_BENCH:-stages} == perf ]]; then
-          timeout -s INT -k 30 150 python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf \
-            --images 8x448 --concurrency 1 --measurement-ms 3000 --ensembles plain --shared-memory cuda --encoder-alone \
+          timeout -s INT -k 30 150 "${PERF[@]}" --images 8x448 --concurrency 1 --ensembles plain \
             --out "$run" > "$run.log" 2>&1
           { echo "### $i: $v cpu_latency"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/stage_cpulat.md"
         else
