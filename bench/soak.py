@@ -20,6 +20,7 @@ Recorded, never asserted in tests.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import platform
 import random
@@ -155,7 +156,7 @@ def allocator_by_instance(server) -> dict[tuple[str, str], float]:
     """(model instance, alloc | reserved | cached) -> MiB, from the kimi_vision_cuda_memory_bytes gauges."""
     try:
         samples = scrape(server.metrics_url)
-    except OSError:
+    except (OSError, http.client.HTTPException, UnicodeDecodeError):  # down, cut short, or not text: none
         return {}
     out = {}
     for name, labels, value in samples:

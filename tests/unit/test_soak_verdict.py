@@ -28,3 +28,23 @@ def test_a_gpu_soak_without_gauges_fails_and_a_cpu_soak_has_no_device_verdict():
     line, ok = idle_verdict({"rss": 1.0}, {"rss": 1.0}, 0.05, gpu=True)
     assert not ok and "no CUDA allocator gauges" in line
     assert idle_verdict({"rss": 1.0}, {"rss": 1.0}, 0.05, gpu=False) == ("", True)
+
+
+def test_a_scrape_that_fails_in_any_way_gives_no_gauges_not_a_crash(monkeypatch):
+    """The soak reads the gauges between phases: a metrics endpoint that is down, cuts its answer short or
+    sends bytes that are not text leaves the columns empty ("-") instead of ending a long run."""
+    import http.client
+    from types import SimpleNamespace
+
+    from bench import soak
+
+    server = SimpleNamespace(metrics_url="127.0.0.1:1")
+    for exc in (ConnectionRefusedError(), http.client.IncompleteRead(b"kimi"),
+                UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")):
+        def fail(url, exc=exc):
+            raise exc
+        monkeypatch.setattr(soak, "scrape", fail)
+        assert soak.allocator_by_instance(server) == {}
+    monkeypatch.setattr(soak, "scrape", lambda url: [("kimi_vision_cuda_memory_bytes",
+                                                      {"instance": "moonvit3d_0_0", "kind": "cached"}, 2.0**21)])
+    assert soak.allocator_by_instance(server) == {("moonvit3d_0_0", "cached"): 2.0}
