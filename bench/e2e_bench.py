@@ -65,11 +65,16 @@ IMPLEMENTATIONS = {
 }
 
 
+def case_jpegs(case: str) -> list[bytes]:
+    """The JPEGs (quality 90, 4:2:0) of one of CASES, the same every run."""
+    return [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(CASES[case])]
+
+
 def case_requests(dep: Deployment) -> dict[str, tuple]:
     """case -> (prompt ids, JPEG bytes (quality 90, 4:2:0), IMAGE_EMBEDS bytes as `dep` serves them)."""
     requests = {}
-    for case, sizes in CASES.items():
-        blobs = [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(sizes)]
+    for case in CASES:
+        blobs = case_jpegs(case)
         ids = chat_prompt_ids(len(blobs))
         requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
     return requests

@@ -24,8 +24,8 @@ from backends.config import DEMO_CONFIG, Limits
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
 from backends.preprocess.preprocessor import Preprocessor, open_images
+from bench.e2e_bench import case_jpegs
 from bench.gpu_timing import timed
-from clients.samples import encode, photo_like
 
 
 def _ms(fn, iters: int, before=None) -> float:
@@ -83,8 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--gap-ms", type=float, default=20.0)
     args = ap.parse_args(argv)
-    cases = {"8x448^2": [encode(photo_like(448, 448, seed=i), "JPEG", quality=90) for i in range(8)],
-             "1x1024^2": [encode(photo_like(1024, 1024, seed=1), "JPEG", quality=90)]}
+    cases = {case: case_jpegs(case) for case in ("8x448^2", "1x1024^2")}  # the stage table's JPEGs
     lines = [f"$ python -m tools.preprocess_probe --iters {args.iters} --gap-ms {args.gap_ms:g}",
              f"{torch.cuda.get_device_name()} | torch {torch.__version__}", ""]
     for name, blobs in cases.items():
