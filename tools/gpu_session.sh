@@ -155,6 +155,7 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       [[ -n ${ENVAB_VARIANTS:-} ]] || echo "envab: ENVAB_VARIANTS is empty, nothing to run" | tee -a "$out/perf_gpu.md"
       for v in ${ENVAB_VARIANTS:-}; do
         i=$((i + 1)); run="$out/envab-$i"; rm -rf "$run" "$run.log"
+        [[ $v =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || { echo "ENVAB_VARIANTS: '$v' is not NAME=VALUE" | tee -a "$out/perf_gpu.md"; continue; }
         env "$v" timeout -s INT -k 60 150 "${PERF[@]}" --images ${ENVAB_IMAGES:-8x448} \
           --concurrency ${ENVAB_CONCURRENCY:-1} --ensembles plain --out "$run" > "$run.log" 2>&1
         { echo "### $i: $v"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/perf_gpu.md"

@@ -23,7 +23,7 @@ from PIL import Image
 
 from backends.kernels import jpeg_color
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
-from backends.preprocess.views import spacing, stacked
+from backends.preprocess.views import stacked
 
 log = logging.getLogger("kimi_vision.jpeg")
 
@@ -70,9 +70,10 @@ def self_check_images() -> list[bytes]:
                 buf = io.BytesIO()
                 img.save(buf, "JPEG", quality=quality, subsampling=subsampling)
                 blobs.append(buf.getvalue())
-        buf = io.BytesIO()
-        img.convert("L").save(buf, "JPEG", quality=90)
-        blobs.append(buf.getvalue())
+        for quality in (75, 90):  # a pair: grayscale runs are converted together too
+            buf = io.BytesIO()
+            img.convert("L").save(buf, "JPEG", quality=quality)
+            blobs.append(buf.getvalue())
     return blobs
 
 
@@ -133,13 +134,15 @@ class GpuJpegDecoder:
     def decode(self, blobs: list[bytes], images: list[Image.Image]) -> list[torch.Tensor | None]:
         """RGB (H, W, 3) uint8 on the device for each blob the hardware decoder takes (one batched decode,
         no host sync), None for those it refuses (decode them with Pillow). `images` are the opened
-        handles: their header sizes must agree with nvJPEG's."""
+        handles: their header sizes must agree with nvJPEG's. Counted in `stats` only on return: when
+        this raises, the caller decodes the whole batch with Pillow and counts it so."""
+        counts: Counter = Counter()
         infos: list[JpegInfo | None] = []
         for k, (blob, img) in enumerate(zip(blobs, images)):
             if not bytes(blob[-2:]) == b"\xff\xd9":
                 # No end-of-image marker right at the end: a truncated file, which Pillow refuses and the
                 # hardware decoder might fill in; or trailing bytes after it. Pillow decides either way.
-                self.stats[("pillow", "no_end_marker")] += 1
+                counts[("pillow", "no_end_marker")] += 1
                 infos.append(None)
                 continue
             try:
@@ -151,32 +154,39 @@ class GpuJpegDecoder:
                 why = f"nvJPEG reads {info.width}x{info.height}, Pillow {img.size[0]}x{img.size[1]}"
             if why is not None:
                 log.debug("image %d of the batch goes to Pillow: %s", k, why)
-                self.stats[("pillow", "nvjpeg_refused")] += 1
+                counts[("pillow", "nvjpeg_refused")] += 1
                 infos.append(None)
             else:
                 infos.append(info)
         todo = [k for k, info in enumerate(infos) if info is not None]
         out: list[torch.Tensor | None] = [None] * len(blobs)
-        if not todo:
-            return out
-        planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
-        for run in _runs([infos[k] for k in todo]):
-            first = planes[run[0]]
-            info = infos[todo[run[0]]]
-            # decode_planes lays the images out back to back, each one's planes in order: a run's planes of
-            # one kind lie one image's bytes apart, one strided view each, no copy.
-            step = sum(p.numel() for p in first)
-            if len(run) > 1 and spacing(first[0], planes[run[-1]][0]) != step * (len(run) - 1):
-                raise RuntimeError("the decoder's planes are not back to back")  # the caller turns to Pillow
-            y, *chroma = (stacked([planes[r][c] for r in run], step) for c in range(len(first)))
-            if info.factors is None:  # grayscale: convert("RGB") repeats L, one copy for the run
-                rgb = y.unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
-            else:  # one launch converts the run into one (n, H, W, 3) tensor; Y planes are (height, width)
-                rgb = jpeg_color.ycc_to_rgb_batch(y, *chroma, *info.factors)
-            for i, r in enumerate(run):
-                out[todo[r]] = rgb[i]
-            self.stats[("gpu", "")] += len(run)
+        if todo:
+            planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
+            for run in _runs([infos[k] for k in todo]):
+                rgb = _convert([planes[r] for r in run], infos[todo[run[0]]])
+                for i, r in enumerate(run):
+                    out[todo[r]] = rgb[i]
+            counts[("gpu", "")] += len(todo)
+        self.stats.update(counts)
         return out
+
+
+def _convert(planes: list[list[torch.Tensor]], info: JpegInfo) -> torch.Tensor:
+    """One run's images (their planes, all of `info`) -> (n, H, W, 3) uint8 RGB: one launch of the colour
+    kernel, or for grayscale one copy of the repeated Y planes. decode_planes lays the images out back to
+    back, each one's planes in order, so a run's planes of one kind lie one image's bytes apart and are
+    read as one strided view; a decoder that placed any plane elsewhere raises here rather than feed the
+    kernel other bytes (the caller then decodes with Pillow)."""
+    first = planes[0]
+    step = sum(p.numel() for p in first)
+    starts = [p.data_ptr() for p in first]
+    for i, image in enumerate(planes[1:], 1):
+        if any(p.data_ptr() != start + i * step for p, start in zip(image, starts)):
+            raise RuntimeError(f"the decoder's planes are not back to back (image {i} of a run)")
+    y, *chroma = (stacked([image[c] for image in planes], step) for c in range(len(first)))
+    if info.factors is None:  # grayscale: convert("RGB") repeats L
+        return y.unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
+    return jpeg_color.ycc_to_rgb_batch(y, *chroma, *info.factors)  # Y planes are (height, width)
 
 
 def _runs(infos: list[JpegInfo]) -> list[range]:

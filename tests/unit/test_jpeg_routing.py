@@ -200,3 +200,38 @@ def test_decodes_on_another_stream_are_not_taken_as_passed_with_the_newest():
     dec, _ = _decoder_with(flags, streams=[3] + [7] * (_QUERY_AFTER - 1))
     dec._release_bitstreams()
     assert len(dec._in_flight) == _QUERY_AFTER  # nothing dropped: the oldest still holds the line
+
+
+def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_once():
+    """The preprocessor's fallback: the decoder raises (here its planes are not back to back) after some of
+    the batch was routed; every image is then decoded by Pillow, equal to the CPU path, and counted once."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from backends.config import MediaConfig
+    from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+    from backends.preprocess.nvjpeg import JpegInfo
+    from backends.preprocess.preprocessor import Preprocessor
+    from clients.samples import encode, photo_like
+
+    blobs = [encode(photo_like(40, 30, seed=s), "JPEG", quality=90) for s in range(3)]
+    blobs.append(blobs[0] + b"trailing")  # routed to Pillow by decode itself (no end marker at the end)
+    info = JpegInfo(40, 30, 3, 2, (40, 20, 20), (30, 15, 15))
+    buf = torch.zeros(10000, dtype=torch.uint8)
+
+    def planes_at(offset):
+        return [buf[offset: offset + 1200].view(30, 40), buf[offset + 1200: offset + 1500].view(15, 20),
+                buf[offset + 1500: offset + 1800].view(15, 20)]
+
+    hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
+                         decode_planes=lambda datas, infos: [planes_at(0), planes_at(1800), planes_at(5000)])
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder, dec.stats = hw, Counter()
+    pre = Preprocessor(MediaConfig())
+    pre.jpeg = dec
+    got, grid, _ = pre(blobs)
+    want, want_grid, _ = Preprocessor(MediaConfig())(blobs)
+    assert torch.equal(got, want) and grid.tolist() == want_grid.tolist()
+    assert dec.stats == Counter({("pillow", "gpu_error"): 4})
