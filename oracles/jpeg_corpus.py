@@ -5,9 +5,13 @@ GPU path must leave to Pillow (progressive, CMYK)."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+
+DATA = Path(__file__).with_name("data")
 
 
 def photo(w: int, h: int, seed: int) -> Image.Image:
@@ -42,16 +46,9 @@ def corpus() -> list[tuple[str, bytes]]:
     out.append(("333x222 420 exif", _save(img, quality=90, subsampling=2, exif=exif.tobytes())))
     out.append(("333x222 444 icc", _save(img, quality=90, subsampling=0, icc_profile=b"\0" * 128 + b"fake icc")))
     out.append(("333x222 420 optimized", _save(img, quality=90, subsampling=2, optimize=True)))
-    try:  # 4:4:0 (h1v2): Pillow cannot write it, OpenCV can where it is installed
-        import cv2
-
-        arr = np.asarray(photo(259, 97, seed=5))[..., ::-1]
-        for q in (50, 95):
-            ok, buf = cv2.imencode(".jpg", arr, [cv2.IMWRITE_JPEG_QUALITY, q, cv2.IMWRITE_JPEG_SAMPLING_FACTOR, 0x121111])
-            if ok:
-                out.append((f"259x97 440 q{q} (OpenCV)", buf.tobytes()))
-    except ImportError:
-        pass
+    # 4:4:0 (h1v2): Pillow cannot write it; OpenCV wrote these once (tools/make_440_jpegs.py).
+    for q in (50, 95):
+        out.append((f"259x97 440 q{q} (OpenCV)", (DATA / f"440_259x97_q{q}.jpg").read_bytes()))
     return out
 
 

@@ -16,6 +16,7 @@ import io
 import logging
 import os
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,6 +58,10 @@ def pillow_reason(img: Image.Image) -> str | None:
     return None
 
 
+# 4:4:0 (h1v2), which Pillow decodes but cannot write; OpenCV wrote it once (tools/make_440_jpegs.py).
+SELF_CHECK_440 = Path(__file__).with_name("selfcheck_440.jpg")
+
+
 def self_check_images() -> list[bytes]:
     """Small JPEGs covering every sampling the GPU path takes, odd sizes and fancy-upsampling edges."""
     rng = np.random.default_rng(7)
@@ -74,6 +79,7 @@ def self_check_images() -> list[bytes]:
             buf = io.BytesIO()
             img.convert("L").save(buf, "JPEG", quality=quality)
             blobs.append(buf.getvalue())
+    blobs.append(SELF_CHECK_440.read_bytes())
     return blobs
 
 

@@ -88,16 +88,36 @@ def test_self_check_turns_gpu_decoding_off_when_a_pixel_differs(monkeypatch, cap
 
 def test_without_nvjpeg_the_preprocessor_says_why_and_uses_pillow():
     decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)  # no GPU, no hardware decoder here
-    assert not decoder.enabled and decoder.off_reason
+    assert not decoder.enabled and "no CUDA device" in decoder.off_reason
+    assert decoder.reason(Image.open(io.BytesIO(_img()))) == "gpu_decode_off"
+
+
+def _samplings(blobs) -> list:
+    out = []
+    for blob in blobs:
+        img = Image.open(io.BytesIO(blob))
+        assert pillow_reason(img) is None
+        out.append(img.mode if img.mode == "L" else tuple(img.layer[0][1:3]))
+    return out
 
 
 def test_self_check_covers_every_sampling_the_gpu_path_takes():
-    samplings = set()
-    for blob in jpeg_gpu.self_check_images():
-        img = Image.open(io.BytesIO(blob))
-        assert pillow_reason(img) is None
-        samplings.add(img.mode if img.mode == "L" else tuple(img.layer[0][1:3]))
-    assert samplings == {"L", (1, 1), (2, 1), (2, 2)}
+    """Every sampling the colour kernel is trusted with (and grayscale) meets the hardware decoder at
+    start-up; gray and colour each in a run of two or more, the way requests of same-sized images come."""
+    from backends.kernels.jpeg_color import SAMPLING
+
+    samplings = _samplings(jpeg_gpu.self_check_images())
+    assert set(samplings) == set(SAMPLING) | {"L"}
+    assert any(a == b == "L" for a, b in zip(samplings, samplings[1:]))
+
+
+def test_the_exact_decode_corpus_holds_every_sampling_without_opencv():
+    """tests/gpu compares the whole corpus with Pillow: 4:4:0 comes from committed files, not from an
+    OpenCV that may be missing."""
+    from backends.kernels.jpeg_color import SAMPLING
+    from oracles.jpeg_corpus import corpus
+
+    assert set(_samplings(b for _, b in corpus())) == set(SAMPLING) | {"L"}
 
 
 def test_runs_group_consecutive_images_of_one_info():
