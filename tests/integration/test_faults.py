@@ -96,6 +96,8 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
         server.stop()
         stop_s = time.monotonic() - t0
     assert not _live_in_group(pid)  # the server and every stub are gone (at most unreaped zombies remain)
-    assert stop_s < 40, f"stop took {stop_s:.0f} s"  # the limit: 25 s drain + 5 s + kill
+    # It drained and exited on SIGINT within the stop's own timeout: no kill was needed (how it ended, not
+    # how long it took: a kill would also end the stop in bounded time).
+    assert server.proc.returncode != -signal.SIGKILL, f"tritonserver had to be killed (stop took {stop_s:.0f} s)"
     left = [p.name for p in Path("/dev/shm").iterdir() if any(p.name.startswith(x) for x in prefixes)]
     assert left == [], left

@@ -151,13 +151,22 @@ def test_planes_not_back_to_back_raise_instead_of_converting_wrong_pixels():
         return [buf[offset: offset + 8].view(2, 4), buf[offset + 8: offset + 10].view(1, 2),
                 buf[offset + 10: offset + 12].view(1, 2)]
 
-    hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
-                         decode_planes=lambda datas, infos: [planes_at(0), planes_at(12), planes_at(40)])
-    dec = object.__new__(GpuJpegDecoder)
-    dec.decoder, dec.stats = hw, Counter()
-    blobs = [bytes([k]) + b"\xff\xd9" for k in range(3)]
-    with pytest.raises(RuntimeError, match="back to back"):
-        dec.decode(blobs, [SimpleNamespace(size=(4, 2))] * 3)
+    def cr_elsewhere(offset):
+        y, cb, _ = planes_at(offset)
+        return [y, cb, buf[80:82].view(1, 2)]
+
+    layouts = {"the last image elsewhere": [planes_at(0), planes_at(12), planes_at(40)],
+               "the middle image elsewhere": [planes_at(0), planes_at(60), planes_at(24)],
+               "one Cr plane elsewhere": [planes_at(0), cr_elsewhere(12), planes_at(24)]}
+    for what, layout in layouts.items():
+        hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
+                             decode_planes=lambda datas, infos, layout=layout: layout)
+        dec = object.__new__(GpuJpegDecoder)
+        dec.decoder, dec.stats = hw, Counter()
+        blobs = [bytes([k]) + b"\xff\xd9" for k in range(3)]
+        with pytest.raises(RuntimeError, match="back to back"):
+            dec.decode(blobs, [SimpleNamespace(size=(4, 2))] * 3)
+        assert dec.stats == Counter(), what  # nothing counted: the caller counts the Pillow decode
 
 
 class _Event:
