@@ -103,8 +103,8 @@ def _pids_on(pipe_dir: Path, proc: Path, mps_processes: bool) -> list[int]:
 
 def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     """The MPS control daemon and server that run on `pipe_dir`, told from other daemons by that folder in
-    their environment (the daemon gets it from us and, we expect, hands it to its server; not yet
-    checked on a GPU: tools/gpu_session.sh's launcher stage prints what it finds)."""
+    their environment (the daemon gets it from us and hands it to its server: seen on the H200,
+    bench/results/h200-2026-12-01-eighth.md, call 2)."""
     return _pids_on(pipe_dir, proc, True)
 
 

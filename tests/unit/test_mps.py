@@ -110,9 +110,51 @@ def test_launcher_starts_no_daemon_unless_asked_and_only_for_a_gpu_deployment(tm
         monkeypatch.setenv("KIMI_MPS", on)
         assert build_parser().parse_args([]).mps is True
     assert build_parser().parse_args(["--no-mps"]).mps is False
-    assert start_mps(False, "gpu", tmp_path) is None
-    assert start_mps(True, "cpu", tmp_path) is None
-    assert "GPU deployment only" in capsys.readouterr().out
+    binary, log = fake_control(tmp_path)  # a control binary on PATH that would start: not asked, not run
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert start_mps(False, "gpu", tmp_path / "mps") is None
+    assert not log.exists() and capsys.readouterr().out == ""
+    assert start_mps(True, "cpu", tmp_path / "mps") is None
+    assert not log.exists() and "GPU deployment only" in capsys.readouterr().out
+    daemon = start_mps(True, "gpu", tmp_path / "mps")  # the same binary does start when asked on a GPU
+    assert daemon is not None and log.read_text().startswith("start ")
+
+
+def test_stop_says_false_when_the_daemon_outlives_the_timeout(tmp_path, monkeypatch):
+    binary, log = fake_control(tmp_path)
+    daemon = mps.start(tmp_path / "mps", binary)
+    monkeypatch.setattr(mps, "daemon_pids", lambda pipe_dir, proc=None: [4242])  # it never goes
+    assert daemon.stop(timeout_s=0.5) is False
+    assert log.read_text().splitlines()[-1] == f"stdin quit {daemon.pipe_dir}"  # it was asked
+
+
+def test_a_leftover_that_will_not_quit_refuses_the_start(tmp_path, monkeypatch):
+    binary, log = fake_control(tmp_path)
+    monkeypatch.setattr(mps, "daemon_pids", lambda pipe_dir, proc=None: [4242])
+    monkeypatch.setattr(mps, "client_pids", lambda pipe_dir, proc=None: [])
+    with pytest.raises(mps.MpsUnavailable, match="did not quit"):
+        mps.start(tmp_path / "mps", binary, timeout_s=0.5)
+    assert log.read_text().splitlines() == [f"stdin quit {tmp_path / 'mps' / 'pipe'}"]  # asked; no second daemon
+
+
+@pytest.mark.parametrize("exc, raised", [(KeyboardInterrupt(), KeyboardInterrupt),
+                                         (SystemExit(143), SystemExit),
+                                         (OSError("exec failed"), mps.MpsUnavailable)])
+def test_a_failed_or_interrupted_start_stops_the_daemon_then_goes_on(tmp_path, monkeypatch, exc, raised):
+    """-d may have forked the daemon before the interruption: it is asked to quit, then the exception goes
+    on unwinding (Ctrl-C, SIGTERM) or becomes MpsUnavailable (the binary could not run)."""
+    binary, log = fake_control(tmp_path)
+    real_run = mps.subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if cmd[1:] == ["-d"]:
+            raise exc
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(mps.subprocess, "run", run)
+    with pytest.raises(raised):
+        mps.start(tmp_path / "mps", binary)
+    assert log.read_text().splitlines() == [f"stdin quit {tmp_path / 'mps' / 'pipe'}"]
 
 
 def test_launcher_serves_on_with_a_warning_where_mps_cannot_start(tmp_path, monkeypatch, capsys):
