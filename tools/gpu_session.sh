@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything we run on the GPU machine, in stages, writing results under $OUT (or bench/out).
+# Everything we run on the GPU machine, in stages, writing results under /tmp/results (summaries and one
+# results.tgz copied to $OUT where the device tool sets it).
 #   bash tools/gpu_session.sh tests   # GPU tests (kernels, encoder, ensemble on tritonserver)
 #   bash tools/gpu_session.sh bench   # encoder, RoPE and preprocessing benchmarks (encoder / rope: parts)
 #   bash tools/gpu_session.sh perf    # random real-size checkpoint -> e2e (ours vs reference) + perf_analyzer
