@@ -40,6 +40,60 @@ def test_an_rgb_coded_jpeg_stays_on_pillow():
     assert pillow_reason(img) == "color_space"
 
 
+def _rgb_component_ids(blob: bytes) -> bytes:
+    """The JPEG with its JFIF segment removed and components named R, G, B (in SOF0 and SOS): a file
+    libjpeg reads as stored RGB, without a YCbCr transform."""
+    assert blob[2:4] == b"\xff\xe0"  # JFIF APP0 right after SOI
+    blob = blob[:2] + blob[4 + int.from_bytes(blob[4:6], "big"):]
+    out, i = bytearray(blob), 2
+    while out[i] == 0xFF and out[i + 1] != 0xDA:
+        marker, length = out[i + 1], int.from_bytes(out[i + 2:i + 4], "big")
+        if marker == 0xC0:  # SOF0: 3 components of (id, sampling, table) after 6 bytes
+            for k, name in enumerate(b"RGB"):
+                out[i + 10 + 3 * k] = name
+        i += 2 + length
+    assert out[i + 4] == 3  # SOS: 3 components of (id, tables)
+    for k, name in enumerate(b"RGB"):
+        out[i + 5 + 2 * k] = name
+    return bytes(out)
+
+
+def test_a_jpeg_with_r_g_b_component_ids_and_no_jfif_stays_on_pillow():
+    blob = _rgb_component_ids(_img(subsampling=0))
+    img = Image.open(io.BytesIO(blob))
+    assert "jfif" not in img.info and [layer[0] for layer in img.layer] == list(b"RGB")
+    assert pillow_reason(img) == "color_space"
+    assert np.asarray(img.convert("RGB")).shape == (21, 37, 3)  # Pillow still decodes it
+    assert pillow_reason(Image.open(io.BytesIO(_img(subsampling=0)))) is None  # the file before the edit
+
+
+class _NoHardware:
+    def __init__(self, device):
+        pass
+
+
+@pytest.mark.parametrize("fault", [None, "one pixel", "raise"])
+def test_self_check_counts_a_single_differing_pixel_and_survives_a_raise(monkeypatch, fault):
+    """The start-up self-check against Pillow itself: equal everywhere keeps GPU decoding on; one level of
+    one pixel in one image, or a decode that raises, turns it off and says which."""
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _NoHardware)
+
+    def decode(self, blobs, images):
+        if fault == "raise":
+            raise RuntimeError("the colour kernel failed")
+        out = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(b)).convert("RGB")).copy()) for b in blobs]
+        if fault == "one pixel":
+            out[5][0, 0, 1] ^= 1
+        return out
+
+    monkeypatch.setattr(GpuJpegDecoder, "decode", decode)
+    decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
+    assert decoder.enabled == (fault is None), decoder.off_reason
+    assert decoder.off_reason == {None: "",
+                                  "one pixel": "self-check: 1 of the generated JPEGs differ from Pillow",
+                                  "raise": "self-check: it raised RuntimeError: the colour kernel failed"}[fault]
+
+
 class _WrongDecoder:
     """Stands in for nvJPEG: sensible shapes, wrong pixels."""
 
