@@ -105,3 +105,30 @@ def test_runs_of_same_sized_jpegs_equal_the_cpu_reference(monkeypatch):
     # pair is one copy of repeated planes), patchify per run in prompt order (the PNG stands alone).
     assert launches["colour"] == [5, 1, 3, 1, 3], launches
     assert launches["patchify"] == [3, 1, 2, 1, 3, 1, 2, 3], launches
+
+
+@pytest.mark.parametrize("every", [997, 61])
+def test_a_corrupt_scan_gets_the_cpu_paths_answer(every):
+    """Header and end-of-image marker intact, bytes of the entropy-coded scan flipped: libjpeg-turbo
+    (Pillow) decodes such a file with a warning, into its own garbage. The GPU path must give that
+    same answer, the same pixels or the same per-request error, never other pixels."""
+    from backends.errors import RequestError
+    from clients.samples import encode, photo_like
+
+    blob = bytearray(encode(photo_like(448, 448, seed=5), "JPEG", quality=90))
+    sos = blob.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(blob[sos + 2: sos + 4], "big")
+    for k in range(start + 100, len(blob) - 100, every):
+        blob[k] ^= 0x55
+    blob = bytes(blob)
+    answers = []
+    for pre in (Preprocessor(MediaConfig()), Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)):
+        try:
+            answers.append(pre([blob])[0].cpu())
+        except RequestError as exc:
+            answers.append(exc.reason)
+    cpu, gpu = answers
+    if isinstance(cpu, str):
+        assert gpu == cpu, (cpu, gpu)
+    else:
+        assert isinstance(gpu, torch.Tensor) and torch.equal(gpu, cpu), "the GPU path decoded other pixels"
