@@ -3,12 +3,14 @@
     python -m clients.infer --image a.jpg --image b.png                     # prompt built for you
     python -m clients.infer --ids 163602,163603,163605,163604,1,2 --image a.jpg --protocol http
     python -m clients.infer --image a.jpg --shm system                       # inputs/outputs via shm
+    python -m clients.infer --image a.jpg --shm system --admin-key kimi-admin=<value>   # a keyed server
     python -m clients.infer --image f0.jpg --image f1.jpg --image cat.png --media-frames 2,0   # chunk + image
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -34,15 +36,22 @@ def main(argv=None) -> int:
     ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     ap.add_argument("--shm", choices=["none", "system", "cuda"], default="none")
+    ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
+                    help="<header>=<value>: the launcher's --admin-key, which a server started with one asks of "
+                         "shared-memory requests (default: KIMI_ADMIN_KEY)")
+    ap.add_argument("--output-capacity-mib", type=int, default=256,
+                    help="the IMAGE_EMBEDS region with --shm system/cuda, MiB (a request of the most patches "
+                         "at the real model's width needs 448 MiB in BF16, 896 MiB in FP32)")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     images = [p.read_bytes() for p in args.image]
     frames = parse_ids(args.media_frames) if args.media_frames else None
     num_media = len(images) if frames is None else len(frames)
     ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)
-    client = KimiVisionClient(url, protocol=args.protocol)
+    client = KimiVisionClient(url, protocol=args.protocol, admin_key=args.admin_key)
     try:
-        result = client.infer(ids, images, media_frames=frames, shm=args.shm)
+        result = client.infer(ids, images, media_frames=frames, shm=args.shm,
+                              output_capacity=args.output_capacity_mib << 20)
     except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
         print(f"request failed: {exc}", file=sys.stderr)
         return 1

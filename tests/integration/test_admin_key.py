@@ -40,6 +40,20 @@ def test_shared_memory_needs_the_key_and_inference_does_not(locked_server, proto
         admin.close()
 
 
+def test_the_command_line_client_sends_the_key(locked_server, tmp_path, capsys, monkeypatch):
+    from clients import infer
+
+    image = tmp_path / "a.png"
+    image.write_bytes(encode(photo_like(96, 64, seed=3), "PNG"))
+    args = ["--image", str(image), "--url", locked_server.grpc_url, "--shm", "system"]
+    monkeypatch.delenv("KIMI_ADMIN_KEY", raising=False)
+    assert infer.main(args) == 1 and "request failed:" in capsys.readouterr().err  # no key: refused
+    assert infer.main([*args, "--admin-key", KEY, "--output-capacity-mib", "8"]) == 0
+    assert "image embeds: shape" in capsys.readouterr().out
+    monkeypatch.setenv("KIMI_ADMIN_KEY", KEY)
+    assert infer.main(args) == 0
+
+
 def test_the_key_restricts_the_admin_apis_over_both_protocols():
     cmd = tritonserver_command(TritonInstall("/bin/tritonserver", "/backends"), "/repo", Ports(),
                                cuda_pools={}, admin_key=KEY)
