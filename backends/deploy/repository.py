@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
@@ -142,9 +142,7 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
     """One Python-backend model; `count` instances (per GPU for KIND_GPU)."""
     params = {
         "checkpoint": dep.checkpoint,
-        "max_images": str(dep.limits.max_images),
-        "max_patches": str(dep.limits.max_patches),
-        "max_image_pixels": str(dep.limits.max_image_pixels),
+        **{f.name: str(getattr(dep.limits, f.name)) for f in fields(Limits)},
         # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
         "vision_config": dep.vision.to_json(),
         # GPU instances take their inputs where the previous step left them (no host round-trip).

@@ -24,7 +24,7 @@ from PIL import Image
 
 from backends.kernels import jpeg_color
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
-from backends.preprocess.views import stacked
+from backends.preprocess.views import spacing, stacked
 
 log = logging.getLogger("kimi_vision.jpeg")
 
@@ -185,9 +185,8 @@ def _convert(planes: list[list[torch.Tensor]], info: JpegInfo) -> torch.Tensor:
     kernel other bytes (the caller then decodes with Pillow)."""
     first = planes[0]
     step = sum(p.numel() for p in first)
-    starts = [p.data_ptr() for p in first]
     for i, image in enumerate(planes[1:], 1):
-        if any(p.data_ptr() != start + i * step for p, start in zip(image, starts)):
+        if any(spacing(a, b) != i * step for a, b in zip(first, image)):
             raise RuntimeError(f"the decoder's planes are not back to back (image {i} of a run)")
     y, *chroma = (stacked([image[c] for image in planes], step) for c in range(len(first)))
     if info.factors is None:  # grayscale: convert("RGB") repeats L

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -57,11 +57,7 @@ class ModelSettings:
     @classmethod
     def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
         base = Limits()
-        limits = Limits(
-            max_images=int(params.get("max_images", base.max_images)),
-            max_patches=int(params.get("max_patches", base.max_patches)),
-            max_image_pixels=int(params.get("max_image_pixels", base.max_image_pixels)),
-        )
+        limits = Limits(**{f.name: int(params.get(f.name, getattr(base, f.name))) for f in fields(Limits)})
         checkpoint = params.get("checkpoint", "")
         if params.get("vision_config"):  # what backends/deploy renders: resolved once, for every instance
             vision = VisionConfig.from_json(params["vision_config"])
