@@ -23,8 +23,8 @@ import numpy as np
 
 from backends.config import DEMO_CONFIG
 from backends.serving.steps import PlaceholderStep
+from bench.cases import case_jpegs
 from bench.gpu_timing import machine_line, write_report
-from clients.samples import encode, photo_like
 from contract import chat_prompt_ids
 
 GAP_S = 0.02
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
     gaps = {"none (hot loop)": None, "sleep 20 ms": lambda: time.sleep(GAP_S), "spin 20 ms": lambda: _spin(GAP_S),
             "sweep 64 MiB for 20 ms": lambda: sweep(GAP_S)}
     step = PlaceholderStep(DEMO_CONFIG)
-    cases = {"1x1024^2": [encode(photo_like(1024, 1024), "JPEG", quality=90)],
-             "8x448^2": [encode(photo_like(448, 448, seed=i), "JPEG", quality=90) for i in range(8)]}
+    cases = {case: case_jpegs(case) for case in ("1x1024^2", "8x448^2")}
     results: dict = {}
     lines = ["# Per-request host code, hot and cold\n", f"{machine_line()}\n",
              f"`PlaceholderStep` (kimi_placeholder's work: headers, plan, id expansion), median of {args.iters} calls, ms.\n",

@@ -35,13 +35,12 @@ import torch
 from backends.config import load_checkpoint_config
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
+from bench.cases import CASES, case_jpegs
 from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import output_byte_sizes
 from oracles.checkpoint_processor import reference_pixels
 from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
-from clients.samples import encode, photo_like
 
-CASES = {"1x1024^2": [(1024, 1024)], "1x3000^2": [(3000, 3000)], "8x448^2": [(448, 448)] * 8}
 # key: (table label, where the embeddings are when the clock stops, what the end to end contains)
 IMPLEMENTATIONS = {
     "grpc": ("(a) ours, tritonserver, gRPC", "host float32 array",
@@ -63,11 +62,6 @@ IMPLEMENTATIONS = {
                   "transformers' Kimi_K25 vision tower + projector (SDPA, BF16, the checkpoint's weights), "
                   "torch.cuda.synchronize()"),
 }
-
-
-def case_jpegs(case: str) -> list[bytes]:
-    """The JPEGs (quality 90, 4:2:0) of one of CASES, the same every run."""
-    return [encode(photo_like(w, h, seed=i), "JPEG", quality=90) for i, (w, h) in enumerate(CASES[case])]
 
 
 def case_requests(dep: Deployment) -> dict[str, tuple]:

@@ -31,7 +31,7 @@ import torch
 
 from backends.deploy.repository import Deployment
 from backends.weights.load import load_model
-from bench.gpu_timing import machine_line, timed
+from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import encoder_workload, request_images
 
 
@@ -91,7 +91,9 @@ def _one(fn) -> float:
 
 
 def burst(fn, clocks: ClockSampler) -> tuple[float, str]:
-    timed(fn, 0, warmup=3)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()  # the warm-ups are done: the window below holds the timed calls alone
     t0 = time.perf_counter()  # the clock and power of the timed calls, not of the warm-ups
     times = timed(fn, 20, warmup=0)
     return statistics.median(times), clocks.between(t0, time.perf_counter())
@@ -105,7 +107,9 @@ def sustained(fn, seconds: float, clocks: ClockSampler) -> tuple[float, str]:
     return statistics.median(ms for t, ms in times if t >= half), clocks.between(half, time.perf_counter())
 
 
-def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, clocks: ClockSampler) -> list[str]:
+def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, clocks: ClockSampler,
+            results: list) -> list[str]:
+    """The table lines for one request kind; each row's numbers also go to `results`."""
     encoder, (pixels, grids), (batch_pixels, batch_grids) = encoder_workload(
         model, cfg, request_images(kind), Deployment("gpu").cuda_graphs, batch)
     one = (lambda: encoder(pixels, grids), 1)
@@ -120,6 +124,7 @@ def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, cloc
             ms, clock = burst(fn, clocks) if how == "burst" else sustained(fn, seconds, clocks)
             ms /= n
             lines.append(f"| {label} | {how} | {ms:.2f} | {1000 / ms * images:.1f} | {clock} |")
+            results.append({"images": kind, "forward": label, "how": how, "ms_per_request": ms, "clock": clock})
     return lines + [""]
 
 
@@ -136,20 +141,17 @@ def main(argv=None) -> int:
         raise SystemExit("needs a GPU")
     model, cfg = load_model(args.checkpoint, "cuda", torch.bfloat16)
     clocks = ClockSampler()
+    results: list = []
     lines = ["# The encoder alone: a short burst against sustained load", "", machine_line(), "",
              f"$ python -m bench.encoder_sustained --checkpoint {args.checkpoint or '(demo)'} --images {args.images} "
              f"--batch {args.batch} --seconds {args.seconds:g} --rest {args.rest:g}", ""]
     try:
         for kind in args.images.split(","):
-            lines += measure(model, cfg, kind, args.batch, args.seconds, args.rest, clocks)
+            lines += measure(model, cfg, kind, args.batch, args.seconds, args.rest, clocks, results)
     finally:
         complaint = clocks.close()
     lines.append(complaint or f"power limit reported by nvidia-smi: {clocks.limit_w:.0f} W")
-    text = "\n".join(lines)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "encoder_sustained.md").write_text(text + "\n")
+    write_report(Path(args.out), "encoder_sustained", lines, {"runs": results})
     return 0
 
 

@@ -24,7 +24,7 @@ from backends.config import DEMO_CONFIG, Limits
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
 from backends.preprocess.preprocessor import Preprocessor, open_images
-from bench.e2e_bench import case_jpegs
+from bench.cases import case_jpegs
 from bench.gpu_timing import timed
 
 
