@@ -62,6 +62,7 @@ PERF=(python3 -m bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-di
 perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the encoder alone in the same run
   perf_setup; random_checkpoint
   for images in 1024 8x448; do
+    rm -rf "$out/perf-$images"  # a warm machine's earlier summary must not pass for this run's
     "${PERF[@]}" --images $images --concurrency 1,4,16 --ensembles plain,batched \
       --out "$out/perf-$images" > "$out/perf_gpu_$images.log" 2>&1
     grep -E "^perf_analyzer (exited|timed out)|^error" "$out/perf_gpu_$images.log" | head -8
@@ -110,6 +111,7 @@ for stage in "$@"; do
     perfanalyzer) perfanalyzer ;;
     perf2enc)  # one 1024^2 JPEG per request at concurrency 16 with two moonvit3d instances on the GPU
       perf_setup; random_checkpoint
+      rm -rf "$out/perf-1024-2enc"  # a warm machine's earlier summary must not pass for this run's
       "${PERF[@]}" --images 1024 --concurrency 16 --ensembles plain,batched --encoder-instances 2 \
         --out "$out/perf-1024-2enc" > "$out/perf_gpu_1024_2enc.log" 2>&1
       cat "$out/perf-1024-2enc/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_1024_2enc.log"
