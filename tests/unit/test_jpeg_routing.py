@@ -3,6 +3,8 @@ self-check that turns GPU decoding off when one pixel differs. The decode itself
 (tests/gpu/test_jpeg_decode.py)."""
 
 import io
+from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,16 +69,11 @@ def test_a_jpeg_with_r_g_b_component_ids_and_no_jfif_stays_on_pillow():
     assert pillow_reason(Image.open(io.BytesIO(_img(subsampling=0)))) is None  # the file before the edit
 
 
-class _NoHardware:
-    def __init__(self, device):
-        pass
-
-
 @pytest.mark.parametrize("fault", [None, "one pixel", "raise"])
 def test_self_check_counts_a_single_differing_pixel_and_survives_a_raise(monkeypatch, fault):
     """The start-up self-check against Pillow itself: equal everywhere keeps GPU decoding on; one level of
     one pixel in one image, or a decode that raises, turns it off and says which."""
-    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _NoHardware)
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", lambda device: object())  # decode is replaced below
 
     def decode(self, blobs, images):
         if fault == "raise":
@@ -117,11 +114,8 @@ class _WrongDecoder:
         buf = torch.full((sum(w * h for i in infos for w, h in zip(i.widths, i.heights)),), 77, dtype=torch.uint8)
         out, offset = [], 0
         for i in infos:
-            views = []
-            for w, h in zip(i.widths, i.heights):
-                views.append(buf[offset: offset + w * h].view(h, w))
-                offset += w * h
-            out.append(views)
+            out.append(_planes_at(buf, offset, i))
+            offset += sum(w * h for w, h in zip(i.widths, i.heights))
         return out
 
 
@@ -177,7 +171,6 @@ def test_the_exact_decode_corpus_holds_every_sampling_without_opencv():
 def test_runs_group_consecutive_images_of_one_info():
     """Which decoded images share one colour-kernel launch (or one grayscale copy)."""
     from backends.preprocess.jpeg_gpu import _runs
-    from backends.preprocess.nvjpeg import JpegInfo
 
     color = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 4:2:0
     gray = JpegInfo(4, 2, 1, 6, (4,), (2,))
@@ -187,36 +180,35 @@ def test_runs_group_consecutive_images_of_one_info():
     assert _runs([]) == [] and [list(r) for r in _runs([gray])] == [[0]]
 
 
+def _planes_at(buf: torch.Tensor, offset: int, info: JpegInfo) -> list[torch.Tensor]:
+    """One image's planes as decode_planes lays them out, starting `offset` elements into `buf`."""
+    views = []
+    for w, h in zip(info.widths, info.heights):
+        views.append(buf[offset: offset + w * h].view(h, w))
+        offset += w * h
+    return views
+
+
+def _decoder_over(info: JpegInfo, layout: list) -> GpuJpegDecoder:
+    """A GpuJpegDecoder whose stand-in hardware decoder reads every blob as `info` and returns `layout`."""
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
+                                  decode_planes=lambda datas, infos: layout)
+    dec.stats = Counter()
+    return dec
+
+
 def test_planes_not_back_to_back_raise_instead_of_converting_wrong_pixels():
     """A run is read as strided views one image apart; a decoder that laid its planes out otherwise must
     stop the decode (the preprocessor then decodes those images with Pillow), not feed the kernel."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    import torch
-
-    from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-    from backends.preprocess.nvjpeg import JpegInfo
-
-    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))
+    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 12 bytes of planes per image
     buf = torch.zeros(100, dtype=torch.uint8)
-
-    def planes_at(offset):
-        return [buf[offset: offset + 8].view(2, 4), buf[offset + 8: offset + 10].view(1, 2),
-                buf[offset + 10: offset + 12].view(1, 2)]
-
-    def cr_elsewhere(offset):
-        y, cb, _ = planes_at(offset)
-        return [y, cb, buf[80:82].view(1, 2)]
-
-    layouts = {"the last image elsewhere": [planes_at(0), planes_at(12), planes_at(40)],
-               "the middle image elsewhere": [planes_at(0), planes_at(60), planes_at(24)],
-               "one Cr plane elsewhere": [planes_at(0), cr_elsewhere(12), planes_at(24)]}
+    layouts = {"the last image elsewhere": [_planes_at(buf, o, info) for o in (0, 12, 40)],
+               "the middle image elsewhere": [_planes_at(buf, o, info) for o in (0, 60, 24)],
+               "one Cr plane elsewhere": [_planes_at(buf, 0, info), [*_planes_at(buf, 12, info)[:2], buf[80:82].view(1, 2)],
+                                          _planes_at(buf, 24, info)]}
     for what, layout in layouts.items():
-        hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
-                             decode_planes=lambda datas, infos, layout=layout: layout)
-        dec = object.__new__(GpuJpegDecoder)
-        dec.decoder, dec.stats = hw, Counter()
+        dec = _decoder_over(info, layout)
         blobs = [bytes([k]) + b"\xff\xd9" for k in range(3)]
         with pytest.raises(RuntimeError, match="back to back"):
             dec.decode(blobs, [SimpleNamespace(size=(4, 2))] * 3)
@@ -288,30 +280,15 @@ def test_decodes_on_another_stream_are_not_taken_as_passed_with_the_newest():
 def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_once():
     """The preprocessor's fallback: the decoder raises (here its planes are not back to back) after some of
     the batch was routed; every image is then decoded by Pillow, equal to the CPU path, and counted once."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    import torch
-
     from backends.config import MediaConfig
-    from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-    from backends.preprocess.nvjpeg import JpegInfo
     from backends.preprocess.preprocessor import Preprocessor
     from clients.samples import encode, photo_like
 
     blobs = [encode(photo_like(40, 30, seed=s), "JPEG", quality=90) for s in range(3)]
     blobs.append(blobs[0] + b"trailing")  # routed to Pillow by decode itself (no end marker at the end)
-    info = JpegInfo(40, 30, 3, 2, (40, 20, 20), (30, 15, 15))
+    info = JpegInfo(40, 30, 3, 2, (40, 20, 20), (30, 15, 15))  # 1800 bytes of planes per image
     buf = torch.zeros(10000, dtype=torch.uint8)
-
-    def planes_at(offset):
-        return [buf[offset: offset + 1200].view(30, 40), buf[offset + 1200: offset + 1500].view(15, 20),
-                buf[offset + 1500: offset + 1800].view(15, 20)]
-
-    hw = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
-                         decode_planes=lambda datas, infos: [planes_at(0), planes_at(1800), planes_at(5000)])
-    dec = object.__new__(GpuJpegDecoder)
-    dec.decoder, dec.stats = hw, Counter()
+    dec = _decoder_over(info, [_planes_at(buf, o, info) for o in (0, 1800, 5000)])
     pre = Preprocessor(MediaConfig())
     pre.jpeg = dec
     got, grid, _ = pre(blobs)

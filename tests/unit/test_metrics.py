@@ -4,6 +4,8 @@ the server (here a recording stand-in for pb_utils' metric API)."""
 import threading
 import time
 
+import pytest
+
 from backends.errors import RequestError
 from backends.serving.metrics import ModelMetrics
 
@@ -119,8 +121,6 @@ def test_cuda_memory_gauges_per_instance_set_when_they_change():
 
 
 def test_allocator_gauges_read_the_nested_stats_once():
-    import pytest
-
     from backends.serving.metrics import allocator_gauges
 
     pool = lambda n: {"current": n, "peak": 2 * n, "allocated": 3 * n, "freed": n}  # noqa: E731

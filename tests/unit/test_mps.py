@@ -48,10 +48,8 @@ def folder_mode(path):
 
 def test_a_daemon_left_on_the_same_folder_is_asked_to_quit_first(tmp_path, monkeypatch):
     binary, log = fake_control(tmp_path)
-    left = [4242]  # what /proc shows until the leftover has been told to quit
-
-    def pids(pipe_dir, proc=None):
-        return list(left) if "stdin quit" not in (log.read_text() if log.exists() else "") else []
+    def pids(pipe_dir, proc=None):  # what /proc shows: the leftover, until it has been told to quit
+        return [4242] if "stdin quit" not in (log.read_text() if log.exists() else "") else []
 
     monkeypatch.setattr(mps, "daemon_pids", pids)
     mps.start(tmp_path / "mps", binary)
@@ -206,8 +204,6 @@ def test_the_launcher_stops_its_daemon_when_serving_fails_or_sigterm_comes_early
     stops = []
 
     class StandIn:
-        pipe_dir = "/tmp/stand-in"
-
         def stop(self):
             stops.append(1)
             return True
