@@ -9,7 +9,8 @@ Cases: 1x1024^2, 1x3000^2, 8x448^2 JPEGs (quality 90, 4:2:0). Per case:
   input, compute infer and compute output per request (ms);
 - the encoder alone, in this process on the same weights and pixels, as the server runs it (bf16,
   CUDA graphs for grid lists seen before): median of CUDA-synchronized wall times;
-- decode alone: the exact GPU decode (nvJPEG hardware planes + our upsampling/colour kernel) and
+- decode alone: the exact GPU decode (nvJPEG hardware planes + our upsampling/colour kernel, waiting
+  for the scan checks), the scan check alone on one core (backends/preprocess/scan_check.c), and
   Pillow's `Image.open(f).convert("RGB")` on one core, per request's images.
 Then end to end / encoder alone, the issue's target (<= 1.25x). --profile also writes the stubs'
 torch-profiler tables (backends/serving/profiling.py) under --out/profile, from extra requests of the
@@ -34,7 +35,7 @@ from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import scrape
 from backends.encoder.graphs import GraphedEncoder
-from backends.preprocess import Preprocessor
+from backends.preprocess import Preprocessor, scan_check
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.serving.profiling import cuda_device_flags, python_table
 from backends.weights.load import load_model
@@ -107,11 +108,12 @@ def measure_alone(args, dep: Deployment, requests: dict) -> dict:
                   if jpeg.enabled else float("nan"))
         pil_ms = statistics.median(timed(lambda: [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs],
                                          max(3, args.iters // 4), warmup=1))
+        check_ms = statistics.median(timed(lambda: [scan_check.check(b) for b in blobs], args.iters, warmup=1))
         pre_ms = statistics.median(timed(lambda: pre(blobs), args.iters))
         if args.profile and case == (args.profile_case or next(iter(requests))):  # as the stubs profile it
             profile_alone(args.out / "profile" / "alone-preprocess.txt", lambda: pre(blobs))
         alone[case] = {"encoder_ms": enc_ms, "gpu_decode_ms": gpu_ms, "pillow_decode_ms": pil_ms,
-                       "preprocess_ms": pre_ms, "images": len(blobs)}
+                       "scan_check_ms": check_ms, "preprocess_ms": pre_ms, "images": len(blobs)}
     return alone
 
 
@@ -174,11 +176,12 @@ def main(argv=None) -> int:
               f"checkpoint {args.checkpoint}; {args.iters} requests per case after 3 warm-ups; end to end = client wall "
               "time with IMAGE_EMBEDS written into one registered CUDA region; per-model times from tritonserver's "
               "statistics over the same requests (ms per request); encoder and decode alone in this process.\n",
-              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | Pillow decode (1 core) |",
-              "|---|---|---|---|---|---|---|"]
+              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | scan check (1 core) | Pillow decode (1 core) |",
+              "|---|---|---|---|---|---|---|---|"]
     for case, r in results.items():
         lines.append(f"| {case} | {r['end_to_end_ms']:.1f} | {r['encoder_ms']:.1f} | {r['end_to_end_over_encoder']:.2f}x | "
-                     f"{r['preprocess_ms']:.1f} | {r['gpu_decode_ms']:.2f} | {r['pillow_decode_ms']:.1f} |")
+                     f"{r['preprocess_ms']:.1f} | {r['gpu_decode_ms']:.2f} | {r['scan_check_ms']:.2f} | "
+                     f"{r['pillow_decode_ms']:.1f} |")
     lines += ["", "`our code` = host time of our execute per request (kimi_vision_step_seconds; the ensemble has none).",
               "", "| case | model | queue | compute input | compute infer | compute output | our code |",
               "|---|---|---|---|---|---|---|"]

@@ -57,3 +57,38 @@ def pillow_only() -> list[tuple[str, bytes, str]]:
     img = photo(129, 65, seed=9)
     return [("progressive", _save(img, quality=90, progressive=True), "progressive"),
             ("cmyk", _save(img.convert("CMYK"), quality=90), "color_space")]
+
+
+def scan_start(blob: bytes) -> int:
+    """Offset of the first byte of the entropy-coded data (after the SOS segment)."""
+    sos = blob.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(blob[sos + 2:sos + 4], "big")
+
+
+def damaged(blob: bytes, seed: int, count: int) -> list[tuple[str, bytes]]:
+    """`count` copies of a JPEG, each damaged inside its scan (header and end marker intact): one flipped
+    bit, three random bytes, or a stretch of 1-7 bytes dropped or doubled, in turn. Some damage leaves a
+    well-formed scan (a stretch inside one block), most does not."""
+    rng = np.random.default_rng(seed)
+    start, end = scan_start(blob), len(blob) - 2
+    out = []
+    for trial in range(count):
+        b = bytearray(blob)
+        kind = trial % 3
+        if kind == 0:
+            k = int(rng.integers(start, end))
+            b[k] ^= 1 << int(rng.integers(0, 8))
+            label = f"bit flipped at {k}"
+        elif kind == 1:
+            ks = rng.integers(start, end, 3)
+            for k in ks:
+                b[k] = int(rng.integers(0, 256))
+            label = f"bytes replaced at {ks.tolist()}"
+        else:
+            a = int(rng.integers(start, end - 8))
+            z = a + int(rng.integers(1, 8))
+            doubled = bool(trial % 2)
+            b = b[:z] + b[a:z] + b[z:] if doubled else b[:a] + b[z:]
+            label = f"bytes {a}:{z} {'doubled' if doubled else 'dropped'}"
+        out.append((label, bytes(b)))
+    return out

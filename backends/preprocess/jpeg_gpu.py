@@ -6,8 +6,9 @@ result equals Pillow's `Image.open(f).convert("RGB")`. Everything else stays on 
 reason in `stats`, never a wrong pixel: not a JPEG, progressive or arithmetic coding, CMYK/YCCK,
 an RGB-coded JPEG (Adobe transform 0, or R/G/B component ids without JFIF), other bit depths,
 subsampling other than 4:4:4, 4:2:2, 4:2:0, 4:4:0 or grayscale, and whatever the hardware decoder
-refuses. At start-up a self-check decodes a few generated JPEGs both ways; one differing pixel
-turns GPU decoding off, with a log line.
+refuses, and every file whose entropy-coded scan is damaged or out of range (scan_check.c: the two
+decoders recover from damage differently). At start-up a self-check decodes a few generated JPEGs both
+ways; one differing pixel turns GPU decoding off, with a log line.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 
 from backends.kernels import jpeg_color
+from backends.preprocess import host_threads, scan_check
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
 from backends.preprocess.views import spacing, stacked
 
@@ -97,8 +99,9 @@ class GpuJpegDecoder:
             self.off_reason = "turned off (KIMI_GPU_JPEG=0)"
             return
         try:
+            scan_check.library()  # built here, once: without it no JPEG may go to the GPU
             self.decoder = HardwareJpegDecoder(self.device)
-        except (NvJpegUnavailable, NvJpegError) as exc:
+        except (NvJpegUnavailable, NvJpegError, scan_check.ScanCheckUnavailable) as exc:
             self.off_reason = str(exc)
             log.warning("exact GPU JPEG decoding is off: %s; JPEGs are decoded by Pillow", exc)
             return
@@ -138,10 +141,27 @@ class GpuJpegDecoder:
         return pillow_reason(img)
 
     def decode(self, blobs: list[bytes], images: list[Image.Image]) -> list[torch.Tensor | None]:
+        """decode_async, waiting for the scan checks: None for every image the GPU must not answer."""
+        out, pending = self.decode_async(blobs, images)
+        verdicts = self.settle(pending)
+        self.count(verdicts)
+        for k, why in verdicts.items():
+            if why is not None:
+                out[k] = None
+        return out
+
+    def decode_async(self, blobs: list[bytes], images: list[Image.Image]) -> tuple[list[torch.Tensor | None], dict]:
         """RGB (H, W, 3) uint8 on the device for each blob the hardware decoder takes (one batched decode,
-        no host sync), None for those it refuses (decode them with Pillow). `images` are the opened
-        handles: their header sizes must agree with nvJPEG's. Counted in `stats` only on return: when
-        this raises, the caller decodes the whole batch with Pillow and counts it so."""
+        no host sync), None for those it refuses (decode them with Pillow); and the pending scan checks
+        of the decoded ones (settle() waits for them: until then a decoded image is provisional).
+        `images` are the opened handles: their header sizes must agree with nvJPEG's. Refusals are
+        counted in `stats` on return, decoded images by settle(): when this raises, the caller decodes
+        the whole batch with Pillow and counts it so.
+
+        The scans are checked on the host threads (scan_check.py) while this thread reads the headers
+        and launches the decode, and while the caller goes on with the request."""
+        threads = host_threads.pool()
+        verdicts = [threads.submit(scan_check.check, blob) for blob in blobs]
         counts: Counter = Counter()
         infos: list[JpegInfo | None] = []
         for k, (blob, img) in enumerate(zip(blobs, images)):
@@ -172,9 +192,19 @@ class GpuJpegDecoder:
                 rgb = _convert([planes[r] for r in run], infos[todo[run[0]]])
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
-            counts[("gpu", "")] += len(todo)
         self.stats.update(counts)
-        return out
+        return out, {k: verdicts[k] for k in todo}
+
+    @staticmethod
+    def settle(pending: dict) -> dict:
+        """Waits for the scan checks of decode_async's images ({key: future}): {key: None where the GPU's
+        answer stands, else the reason the image must be decoded by Pillow}."""
+        return {key: verdict.result() for key, verdict in pending.items()}
+
+    def count(self, verdicts: dict) -> None:
+        """Counts settled images: on the GPU, or on Pillow by the scan check's reason."""
+        for why in verdicts.values():
+            self.stats[("pillow", why) if why else ("gpu", "")] += 1
 
 
 def _convert(planes: list[list[torch.Tensor]], info: JpegInfo) -> torch.Tensor:

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
 from collections import Counter, deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -32,6 +29,7 @@ from backends.config import Limits, MediaConfig
 from backends.errors import RequestCancelled
 from backends.kernels import patchify
 from backends.preprocess.bicubic import resize_bicubic
+from backends.preprocess import host_threads
 from backends.preprocess.decode import decode_rgb, open_image
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.media import MediaPlan, check_image_count, plan_media
@@ -53,12 +51,10 @@ def resize_pillow(img: Image.Image, width: int, height: int) -> Image.Image:
     return img.resize((width, height), resample=Image.Resampling.BICUBIC)
 
 
-# Host decode threads, shared by every Preprocessor in the process, and frames decoded ahead.
-DECODE_THREADS = max(1, min(4, (os.cpu_count() or 1)))
-DECODE_AHEAD = DECODE_THREADS
+# Frames decoded ahead on the host threads (host_threads.py, shared by every Preprocessor in the process).
+DECODE_AHEAD = host_threads.THREADS
 # Decoded pixels one batched GPU decode may hold at once (a request may carry 64 huge JPEGs).
 GPU_DECODE_PIXELS = 64 << 20
-_POOL_LOCK = threading.Lock()
 
 
 def open_images(blobs: Sequence[bytes], limits: Limits) -> list[Image.Image]:
@@ -83,8 +79,6 @@ def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
 class Preprocessor:
     """Holds what is built once: the normalization table on the target device, and on a GPU the exact
     JPEG decoder (its nvJPEG handle and its decode counters)."""
-
-    _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, media: MediaConfig, limits: Limits = Limits(), device: str | torch.device = "cpu",
                  out_dtype: torch.dtype = torch.float32, resize: str | None = None, gpu_jpeg: bool | None = None):
@@ -134,16 +128,20 @@ class Preprocessor:
             return pixels
         return resize_bicubic(pixels, plan.width, plan.height)
 
-    def _frames(self, blobs: Sequence[bytes], images: Sequence[Image.Image], plans: list[MediaPlan]):
+    def _frames(self, blobs: Sequence[bytes], images: Sequence[Image.Image], plans: list[MediaPlan],
+                pending: dict, forced: dict):
         """Every frame of every media in order, on the device and resized. JPEGs the GPU path takes are
-        decoded there in batches of up to GPU_DECODE_PIXELS; the rest by Pillow, up to DECODE_AHEAD
-        frames ahead."""
+        decoded there in batches of up to GPU_DECODE_PIXELS, their scan checks left in `pending` (image
+        index -> future); the rest by Pillow, up to DECODE_AHEAD frames ahead, `forced` (image index ->
+        the scan check's reason, already counted) among them."""
         jobs = [(i, m.plan) for m in plans for i in m.frames]
         on_gpu = set()
         if self.jpeg is None:
             self._host_only[("pillow", "no_gpu")] += len(jobs)
         else:
             for i, _ in jobs:
+                if i in forced:
+                    continue
                 why = self.jpeg.reason(images[i])
                 if why is None:
                     on_gpu.add(i)
@@ -160,7 +158,9 @@ class Preprocessor:
                             group.append(j)
                             pixels += _pixels(images[j])
                     try:
-                        decoded.update(zip(group, self.jpeg.decode([blobs[j] for j in group], [images[j] for j in group])))
+                        rgbs, checks = self.jpeg.decode_async([blobs[j] for j in group], [images[j] for j in group])
+                        decoded.update(zip(group, rgbs))
+                        pending.update((group[k], check) for k, check in checks.items())
                     except Exception:  # noqa: BLE001 - e.g. nvJPEG rejects a corrupt file: Pillow decides
                         log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", group, exc_info=True)
                         self.jpeg.stats[("pillow", "gpu_error")] += len(group)
@@ -180,16 +180,14 @@ class Preprocessor:
         if len(jobs) <= 1:
             yield from (self._upload(self.host_frame(images[i], i, plan)) for i, plan in jobs)
             return
-        with _POOL_LOCK:  # concurrent first calls must not each start a pool (idle threads never exit)
-            if Preprocessor._pool is None:
-                Preprocessor._pool = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="kimi-decode")
+        threads = host_threads.pool()
         pending: deque = deque()
         try:
             for n, (i, plan) in enumerate(jobs):
                 # Bounded: at most DECODE_AHEAD decoded frames wait in memory.
                 while len(pending) < DECODE_AHEAD and n + len(pending) < len(jobs):
                     j, p = jobs[n + len(pending)]
-                    pending.append(Preprocessor._pool.submit(self.host_frame, images[j], j, p))
+                    pending.append(threads.submit(self.host_frame, images[j], j, p))
                 yield self._upload(pending.popleft().result())
         finally:
             for f in pending:  # a failed frame: do not decode the rest
@@ -197,13 +195,34 @@ class Preprocessor:
 
     def __call__(self, blobs: Sequence[bytes], media_frames=None, cancelled=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans.
-        `cancelled()`, if given, is asked before each media: True raises RequestCancelled."""
+        `cancelled()`, if given, is asked before each media: True raises RequestCancelled.
+
+        GPU-decoded JPEGs are provisional until their scan checks (run on the host threads meanwhile)
+        come back, at the end: if one refuses an image, the request is computed again with that image
+        on Pillow. Damaged files are rare, so the common request pays for its checks only where they
+        outlast the rest of its preprocessing."""
         images = self.open(blobs)
         plans = self.plan(images, media_frames)
+        forced: dict[int, str] = {}
+        while True:  # at most twice: a file's check gives the same answer every time
+            pending: dict = {}
+            result = self._compute(blobs, images, plans, cancelled, pending, forced)
+            verdicts = self.jpeg.settle(pending) if pending else {}
+            refused = {i: why for i, why in verdicts.items() if why is not None}
+            if verdicts:  # a refused image is counted now, the others when the pass that keeps them ends
+                self.jpeg.count(refused or verdicts)
+            if not refused:
+                return (*result, plans)
+            log.info("images %s go to Pillow after their scan checks (%s); preprocessing the request again",
+                     sorted(refused), ", ".join(sorted(set(refused.values()))))
+            forced.update(refused)
+
+    def _compute(self, blobs, images, plans, cancelled, pending: dict, forced: dict) -> tuple[torch.Tensor, np.ndarray]:
+        """pixel_values and grid_thws (see __call__), GPU decodes' scan checks left in `pending`."""
         chunks = []
         # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
-        with contextlib.closing(self._frames(blobs, images, plans)) as frames_in_order:
+        with contextlib.closing(self._frames(blobs, images, plans, pending, forced)) as frames_in_order:
             run: list[torch.Tensor] = []  # still images with one plan, back to back in one tensor
             for n, m in enumerate(plans):
                 if cancelled is not None and cancelled():
@@ -227,7 +246,7 @@ class Preprocessor:
         else:
             pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
         grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
-        return pixel_values, grid_thws, plans
+        return pixel_values, grid_thws
 
     def _patchify(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
         if tuple(pixels.shape[-3:]) != (plan.height, plan.width, 3):

@@ -107,28 +107,41 @@ def test_runs_of_same_sized_jpegs_equal_the_cpu_reference(monkeypatch):
     assert launches["patchify"] == [3, 1, 2, 1, 3, 1, 2, 3], launches
 
 
-@pytest.mark.parametrize("every", [997, 61])
-def test_a_corrupt_scan_gets_the_cpu_paths_answer(every):
-    """Header and end-of-image marker intact, bytes of the entropy-coded scan flipped: libjpeg-turbo
-    (Pillow) decodes such a file with a warning, into its own garbage. The GPU path must give that
-    same answer, the same pixels or the same per-request error, never other pixels."""
+def _answer(pre, blob):
     from backends.errors import RequestError
-    from clients.samples import encode, photo_like
 
-    blob = bytearray(encode(photo_like(448, 448, seed=5), "JPEG", quality=90))
-    sos = blob.index(b"\xff\xda")
-    start = sos + 2 + int.from_bytes(blob[sos + 2: sos + 4], "big")
-    for k in range(start + 100, len(blob) - 100, every):
-        blob[k] ^= 0x55
-    blob = bytes(blob)
-    answers = []
-    for pre in (Preprocessor(MediaConfig()), Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)):
-        try:
-            answers.append(pre([blob])[0].cpu())
-        except RequestError as exc:
-            answers.append(exc.reason)
-    cpu, gpu = answers
-    if isinstance(cpu, str):
-        assert gpu == cpu, (cpu, gpu)
-    else:
-        assert isinstance(gpu, torch.Tensor) and torch.equal(gpu, cpu), "the GPU path decoded other pixels"
+    try:
+        return pre([blob])[0].cpu()
+    except RequestError as exc:
+        return exc.reason
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_damaged_scan_gets_the_cpu_paths_answer(seed):
+    """Header and end-of-image marker intact, the entropy-coded scan damaged (oracles/jpeg_corpus.damaged,
+    and bytes flipped all along it): libjpeg-turbo (Pillow) decodes such a file into garbage of its
+    own, or raises; the hardware decoder recovers differently. The GPU path must give the CPU path's
+    answer, the same pixels or the same per-request error: the scan check sends what would differ to
+    Pillow, and lets through only damage that leaves a well-formed scan."""
+    from clients.samples import encode, photo_like
+    from oracles.jpeg_corpus import damaged, scan_start
+
+    base = encode(photo_like(448, 448, seed=5 + seed), "JPEG", quality=(90, 75, 95)[seed], subsampling=(2, 1, 0)[seed])
+    files = damaged(base, seed, 45)
+    for every in (997, 61):
+        blob = bytearray(base)
+        for k in range(scan_start(base) + 100, len(blob) - 100, every):
+            blob[k] ^= 0x55
+        files.append((f"every {every}th byte flipped", bytes(blob)))
+    cpu_pre = Preprocessor(MediaConfig())
+    gpu_pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
+    gpu_pre.decode_stats.clear()
+    for label, blob in files:
+        cpu, gpu = _answer(cpu_pre, blob), _answer(gpu_pre, blob)
+        if isinstance(cpu, str):
+            assert gpu == cpu, (label, cpu, gpu)
+        else:
+            assert isinstance(gpu, torch.Tensor) and torch.equal(gpu, cpu), f"{label}: the GPU path decoded other pixels"
+    stats = gpu_pre.decode_stats
+    refused = sum(n for (path, why), n in stats.items() if why.startswith("scan_"))
+    assert refused > 0 and stats[("gpu", "")] > 0, stats  # both kinds were exercised

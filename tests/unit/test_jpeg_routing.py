@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from backends.kernels import jpeg_color
 from backends.preprocess import jpeg_gpu
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder, pillow_reason
 from backends.preprocess.nvjpeg import JpegInfo
@@ -119,14 +120,13 @@ class _WrongDecoder:
         return out
 
 
+def _batch_reference(y, cb, cr, fx, fy):  # the conversion, without the GPU kernel
+    return torch.stack([jpeg_color.ycc_to_rgb_reference(y[k], cb[k], cr[k], fx, fy) for k in range(y.shape[0])])
+
+
 def test_self_check_turns_gpu_decoding_off_when_a_pixel_differs(monkeypatch, caplog):
     monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _WrongDecoder)
-    from backends.kernels import jpeg_color
-
-    def batch_reference(y, cb, cr, fx, fy):  # the conversion, without the GPU kernel
-        return torch.stack([jpeg_color.ycc_to_rgb_reference(y[k], cb[k], cr[k], fx, fy) for k in range(y.shape[0])])
-
-    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", batch_reference)
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
     decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
     # Every generated JPEG decodes (to flat grey) and differs: the check counts them, it did not raise.
     assert not decoder.enabled and "of the generated JPEGs differ from Pillow" in decoder.off_reason, decoder.off_reason
@@ -295,3 +295,25 @@ def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_
     want, want_grid, _ = Preprocessor(MediaConfig())(blobs)
     assert torch.equal(got, want) and grid.tolist() == want_grid.tolist()
     assert dec.stats == Counter({("pillow", "gpu_error"): 4})
+
+
+def test_a_damaged_scan_goes_to_pillow_whatever_the_gpu_made_of_it(monkeypatch):
+    """The stand-in hardware decoder answers flat grey for every file. A JPEG whose scan the check
+    refuses comes back from Pillow (equal to the CPU path, counted by the check's reason); a well-formed
+    one keeps the GPU's answer (grey: the stand-in is really used)."""
+    from backends.config import MediaConfig
+    from backends.preprocess.preprocessor import Preprocessor
+    from clients.samples import encode, photo_like
+
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
+    good = encode(photo_like(40, 30, seed=1), "JPEG", quality=90)
+    bad = good[:-2] + b"\x12\x34" + good[-2:]  # bytes left over before the end marker
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder, dec.stats = _WrongDecoder(None), Counter()
+    pre = Preprocessor(MediaConfig())
+    pre.jpeg = dec
+    got, _, _ = pre([bad, good])
+    want, _, _ = Preprocessor(MediaConfig())([bad, good])
+    half = got.shape[0] // 2
+    assert torch.equal(got[:half], want[:half]) and not torch.equal(got[half:], want[half:])
+    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("gpu", ""): 1})

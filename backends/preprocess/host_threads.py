@@ -1,0 +1,24 @@
+"""The host threads that preprocessing shares across every Preprocessor and GPU JPEG decoder of a
+process: Pillow decodes and resizes, and the JPEG scan checks, all of which drop the GIL while they
+work (Pillow in C, the scan check through ctypes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+THREADS = max(1, min(4, (os.cpu_count() or 1)))
+
+_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process-wide pool, started on first use (concurrent first calls must not each start one:
+    idle threads never exit)."""
+    global _POOL
+    with _LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="kimi-decode")
+    return _POOL

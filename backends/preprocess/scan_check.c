@@ -1,0 +1,398 @@
+/* Strict check of a baseline JPEG before the GPU decodes it (docs/jpeg_decoding.md#damaged-scans).
+ *
+ * The hardware decoder and libjpeg-turbo (Pillow) agree bit for bit on well-formed files, but they
+ * recover from damage differently: a bad Huffman code, a scan that runs into a marker early, bytes
+ * left over before a marker, a wrong restart marker, a coefficient run past the end of a block, or
+ * coefficients so large that libjpeg-turbo's range-limit table wraps instead of clamping. Each of
+ * these gives other pixels (or Pillow raises where nvJPEG decodes). This file decodes the
+ * entropy-coded data without any IDCT and answers 0 only when none of those paths can be taken, so
+ * both decoders see the same coefficients and clamp the same way. Anything unusual is refused
+ * (a nonzero reason): the image then goes to Pillow, which costs time and never a pixel.
+ *
+ * Built once per process by scan_check.py with the host's C compiler; no dependency beyond libc/libm.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+  OK = 0,
+  E_STRUCTURE = 1,   /* markers, segment lengths, tables missing or malformed */
+  E_UNSUPPORTED = 2, /* not one interleaved baseline 8-bit scan (the GPU route takes no other) */
+  E_BAD_CODE = 3,    /* a Huffman code that is not in its table */
+  E_OVERRUN = 4,     /* a run of zeros or a coefficient past position 63 */
+  E_SHORT = 5,       /* the scan needs bits beyond the next marker (libjpeg-turbo fills zeros) */
+  E_EXTRA = 6,       /* bytes, or padding bits that are not ones, left before a marker */
+  E_RESTART = 7,     /* a missing or out-of-order restart marker */
+  E_RANGE = 8,       /* coefficients outside what an 8-bit encoder writes, or an IDCT that would wrap */
+};
+
+#define LOOK 10 /* bits looked up at once: most codes, with their extra bits, fit */
+
+typedef struct {
+  int16_t value;   /* the coefficient (or DC difference) when `total` is set */
+  uint8_t rs;      /* the symbol: run << 4 | size (DC: size) */
+  uint8_t codelen; /* 0: the code is longer than LOOK bits */
+  uint8_t total;   /* code plus extra bits, when both fit in LOOK bits; else 0 */
+} Entry;
+
+typedef struct {
+  int defined;
+  uint8_t counts[17];
+  uint8_t symbols[256];
+  int32_t maxcode[18];
+  int32_t offset[18];
+  Entry fast[1 << LOOK];
+} Huffman;
+
+static inline int32_t extend(uint32_t v, int s) { return v < (1u << (s - 1)) ? (int32_t)v - (1 << s) + 1 : (int32_t)v; }
+
+static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) position */
+  0, 1, 8, 16, 9, 2, 3, 10, 17, 24, 32, 25, 18, 11, 4, 5, 12, 19, 26, 33, 40, 48, 41, 34, 27, 20, 13, 6, 7, 14, 21,
+  28, 35, 42, 49, 56, 57, 50, 43, 36, 29, 22, 15, 23, 30, 37, 44, 51, 58, 59, 52, 45, 38, 31, 39, 46, 53, 60, 61,
+  54, 47, 55, 62, 63};
+
+/* libjpeg-turbo's 8-bit range-limit table clamps IDCT outputs (centred on 0) correctly in [-512, 511]
+ * and wraps beyond. Its SIMD IDCT multiplies coefficient by quantizer in 16 bits, and keeps the first
+ * (column) pass in 16 bits, scaled by sqrt(8) * 2^PASS1_BITS = 11.3 against the true 1-D IDCT: so
+ * |first pass| must stay below 32767 / 11.3 = 2896. The limits below leave margin for the
+ * fixed-point rounding. A well-formed 8-bit photo stays far inside all three (its outputs are pixels
+ * minus 128 plus quantization error; its first pass is at most about 362). */
+#define OUTPUT_LIMIT 500.0f
+#define PASS1_LIMIT 2800.0f
+#define COEF_LIMIT 16383
+
+static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
+static float column[64][8];  /* column[natural position][row]: the first (column) pass */
+static float weight[64];     /* max over pixels of |basis[k][.]| */
+static int tables_ready;
+
+static void build_basis(void) {
+  const double pi = 3.14159265358979323846;
+  for (int v = 0; v < 8; v++)
+    for (int u = 0; u < 8; u++) {
+      double cu = u ? 1.0 : sqrt(0.5), cv = v ? 1.0 : sqrt(0.5), top = 0;
+      for (int y = 0; y < 8; y++) {
+        double cy = cos((2 * y + 1) * v * pi / 16);
+        column[v * 8 + u][y] = (float)(cv / 2 * cy);
+        for (int x = 0; x < 8; x++) {
+          double b = 0.25 * cu * cv * cos((2 * x + 1) * u * pi / 16) * cy;
+          basis[v * 8 + u][y * 8 + x] = (float)b;
+          if (fabs(b) > top) top = fabs(b);
+        }
+      }
+      weight[v * 8 + u] = (float)top;
+    }
+  tables_ready = 1;
+}
+
+/* The exact IDCT of one block (coefficients already multiplied by their quantizers), and its first
+ * pass, against the limits above. Only called for the few blocks the cheap bound does not clear. */
+static int block_in_range(const int32_t *pos, const int32_t *val, int nz) {
+  float out[64] = {0}, pass1[64] = {0};
+  for (int i = 0; i < nz; i++) {
+    float f = (float)val[i];
+    const float *b = basis[pos[i]], *c = column[pos[i]];
+    int u = pos[i] & 7;
+    for (int p = 0; p < 64; p++) out[p] += f * b[p];
+    for (int y = 0; y < 8; y++) pass1[y * 8 + u] += f * c[y];
+  }
+  for (int p = 0; p < 64; p++)
+    if (fabsf(out[p]) > OUTPUT_LIMIT || fabsf(pass1[p]) > PASS1_LIMIT) return 0;
+  return 1;
+}
+
+/* Canonical codes as libjpeg-turbo derives them, refusing what it refuses; `dc`: sizes, not run/size. */
+static int build_huffman(Huffman *h, int dc) {
+  int total = 0;
+  for (int l = 1; l <= 16; l++) total += h->counts[l];
+  if (total > 256) return E_STRUCTURE;
+  int32_t code = 0;
+  int k = 0;
+  memset(h->fast, 0, sizeof h->fast);
+  for (int l = 1; l <= 16; l++) {
+    h->offset[l] = k - code;
+    for (int i = 0; i < h->counts[l]; i++, k++, code++) {
+      if (l > LOOK) continue;
+      uint8_t rs = h->symbols[k];
+      int s = dc ? rs : rs & 15;
+      for (int f = code << (LOOK - l); f < (code + 1) << (LOOK - l); f++) {
+        Entry *e = &h->fast[f];
+        e->rs = rs;
+        e->codelen = (uint8_t)l;
+        e->total = 0;
+        if (l + s <= LOOK) { /* the extra bits follow the code within the looked-up bits */
+          e->total = (uint8_t)(l + s);
+          e->value = s ? (int16_t)extend((uint32_t)(f >> (LOOK - l - s)) & ((1u << s) - 1), s) : 0;
+        }
+      }
+    }
+    h->maxcode[l] = h->counts[l] ? code - 1 : -1;
+    if (code >= (1 << l)) return E_STRUCTURE; /* libjpeg-turbo refuses a table that fills its code space */
+    code <<= 1;
+  }
+  return OK;
+}
+
+/* The entropy-coded data between two markers, with stuffed zero bytes removed. */
+typedef struct {
+  uint8_t *buf; /* unstuffed bytes, then zero padding for the 8-byte loads */
+  size_t len;   /* in bytes */
+  size_t next;  /* offset in the file of the marker that ends it */
+} Segment;
+
+/* Unstuffs from `p` up to the next marker. */
+static void segment(const uint8_t *d, size_t n, size_t p, Segment *g) {
+  size_t len = 0;
+  while (p < n) {
+    const uint8_t *ff = memchr(d + p, 0xFF, n - p);
+    size_t run = ff ? (size_t)(ff - d) - p : n - p;
+    memcpy(g->buf + len, d + p, run);
+    len += run;
+    p += run;
+    if (!ff) break;
+    if (p + 1 < n && d[p + 1] == 0x00) {
+      g->buf[len++] = 0xFF;
+      p += 2;
+    } else {
+      break; /* a marker */
+    }
+  }
+  memset(g->buf + len, 0, 16);
+  g->len = len;
+  g->next = p;
+}
+
+static inline uint64_t bits_at(const uint8_t *buf, size_t bp) {
+  uint64_t w;
+  memcpy(&w, buf + (bp >> 3), 8);
+  return __builtin_bswap64(w) << (bp & 7); /* at least 57 valid bits at the top */
+}
+
+/* One code: its table entry (from the fast table, or built here for a code longer than LOOK bits).
+ * codelen 0 in the answer: not a code of this table. */
+static inline Entry lookup(const Huffman *h, uint64_t w) {
+  Entry e = h->fast[w >> (64 - LOOK)];
+  if (e.codelen) return e;
+  for (int l = LOOK + 1; l <= 16; l++) {
+    int32_t code = (int32_t)(w >> (64 - l));
+    if (h->maxcode[l] >= 0 && code <= h->maxcode[l]) {
+      e.rs = h->symbols[h->offset[l] + code];
+      e.codelen = (uint8_t)l;
+      e.total = 0;
+      return e;
+    }
+  }
+  return e;
+}
+
+/* The value of entry `e` at bit position *bp (the code's start), moving *bp past code and extra bits. */
+static inline int32_t value(const Entry *e, const uint8_t *buf, size_t *bp, int s) {
+  if (e->total) {
+    *bp += e->total;
+    return e->value;
+  }
+  *bp += e->codelen;
+  if (!s) return 0;
+  int32_t v = extend((uint32_t)(bits_at(buf, *bp) >> (64 - s)), s);
+  *bp += s;
+  return v;
+}
+
+typedef struct {
+  int id, h, v, tq, td, ta;
+} Component;
+
+/* After the last MCU of a restart interval, at bit bp of segment g: only padding ones left in the
+ * last byte, then the marker `want` (RSTn, or EOI at the very end of the file). */
+static int end_interval(const uint8_t *d, size_t n, const Segment *g, size_t bp, int want) {
+  size_t limit = g->len * 8;
+  if (bp > limit) return E_SHORT;
+  size_t left = limit - bp;
+  if (left >= 8) return E_EXTRA;
+  if (left && (bits_at(g->buf, bp) >> (64 - left)) != (1u << left) - 1) return E_EXTRA;
+  size_t p = g->next;
+  if (p + 1 >= n) return E_SHORT; /* the data ends without a marker */
+  int m = d[p + 1];
+  if (m != want) return (m >= 0xD0 && m <= 0xD7) || want != 0xD9 ? E_RESTART : E_STRUCTURE;
+  if (want == 0xD9 && p + 2 != n) return E_STRUCTURE;
+  return OK;
+}
+
+static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Component *comp, int ncomp,
+                      const Huffman *dc, const Huffman *ac, uint16_t quant[4][64], size_t mcus, int restart) {
+  int32_t pred[4] = {0};
+  int32_t pos[64], val[64];
+  int next_rst = 0;
+  size_t bp = 0, limit;
+  segment(d, n, p, g);
+  limit = g->len * 8;
+  for (size_t mcu = 0; mcu < mcus; mcu++) {
+    if (restart && mcu && mcu % (size_t)restart == 0) {
+      int err = end_interval(d, n, g, bp, 0xD0 + next_rst);
+      if (err) return err;
+      next_rst = (next_rst + 1) & 7;
+      pred[0] = pred[1] = pred[2] = pred[3] = 0;
+      segment(d, n, g->next + 2, g);
+      limit = g->len * 8;
+      bp = 0;
+    }
+    for (int c = 0; c < ncomp; c++) {
+      const Huffman *hd = &dc[comp[c].td], *ha = &ac[comp[c].ta];
+      const uint16_t *q = quant[comp[c].tq];
+      for (int blk = comp[c].h * comp[c].v; blk > 0; blk--) {
+        Entry e = lookup(hd, bits_at(g->buf, bp));
+        if (!e.codelen) return E_BAD_CODE;
+        pred[c] += value(&e, g->buf, &bp, e.rs);
+        int32_t dq = pred[c] * q[0];
+        if (dq > COEF_LIMIT || dq < -COEF_LIMIT) return E_RANGE;
+        float bound = fabsf((float)dq) * weight[0], total = fabsf((float)dq);
+        int nz = 0;
+        if (dq) pos[nz] = 0, val[nz++] = dq;
+        for (int k = 1; k < 64; k++) {
+          if (bp > limit) return E_SHORT; /* past the marker: libjpeg-turbo would read zeros */
+          e = lookup(ha, bits_at(g->buf, bp));
+          if (!e.codelen) return E_BAD_CODE;
+          int r = e.rs >> 4, s = e.rs & 15;
+          if (!s) {
+            bp += e.codelen;
+            if (r != 15) break; /* end of block */
+            k += 15;
+            if (k > 63) return E_OVERRUN;
+            continue;
+          }
+          k += r;
+          if (k > 63) return E_OVERRUN;
+          if (s > 10) return E_RANGE; /* 8-bit AC coefficients have at most 10 bits */
+          int32_t v = value(&e, g->buf, &bp, s) * q[k];
+          if (v > COEF_LIMIT || v < -COEF_LIMIT) return E_RANGE;
+          bound += fabsf((float)v) * weight[ZIGZAG[k]];
+          total += fabsf((float)v);
+          pos[nz] = ZIGZAG[k], val[nz++] = v;
+        }
+        if (bp > limit) return E_SHORT;
+        /* Cheap bounds first: |output| <= sum |F| * max|basis|, |first pass| <= sum |F| / 2. */
+        if ((bound > OUTPUT_LIMIT || total * 0.5f > PASS1_LIMIT) && !block_in_range(pos, val, nz))
+          return E_RANGE;
+      }
+    }
+  }
+  return end_interval(d, n, g, bp, 0xD9);
+}
+
+int kimi_scan_check(const uint8_t *d, size_t n) {
+  if (!tables_ready) build_basis(); /* idempotent: racing threads write the same values */
+  Huffman dc[4], ac[4];
+  uint16_t quant[4][64];
+  int quant_defined[4] = {0};
+  Component comp[4];
+  int ncomp = 0, have_frame = 0, restart = 0, built[2][4] = {{0}};
+  size_t width = 0, height = 0;
+  memset(dc, 0, sizeof dc);
+  memset(ac, 0, sizeof ac);
+  if (n < 4 || d[0] != 0xFF || d[1] != 0xD8) return E_STRUCTURE;
+  size_t p = 2;
+  for (;;) { /* header segments up to the one scan */
+    if (p + 4 > n || d[p] != 0xFF) return E_STRUCTURE; /* no fill bytes, no stray data */
+    int m = d[p + 1];
+    size_t len = (size_t)d[p + 2] << 8 | d[p + 3];
+    if (len < 2 || p + 2 + len > n) return E_STRUCTURE;
+    const uint8_t *s = d + p + 4, *end = d + p + 2 + len;
+    p += 2 + len;
+    if (m == 0xDB) { /* DQT */
+      while (s < end) {
+        int pq = *s >> 4, tq = *s & 15;
+        if (pq != 0 || tq > 3 || end - s < 65) return pq ? E_UNSUPPORTED : E_STRUCTURE;
+        for (int k = 0; k < 64; k++) {
+          quant[tq][k] = s[1 + k];
+          if (!s[1 + k]) return E_STRUCTURE;
+        }
+        quant_defined[tq] = 1;
+        s += 65;
+      }
+    } else if (m == 0xC4) { /* DHT */
+      while (s < end) {
+        int tc = *s >> 4, th = *s & 15;
+        if (tc > 1 || th > 3 || end - s < 17) return E_STRUCTURE;
+        Huffman *h = tc ? &ac[th] : &dc[th];
+        int total = 0;
+        for (int l = 1; l <= 16; l++) total += h->counts[l] = s[l];
+        if (total > 256 || end - s < 17 + total) return E_STRUCTURE;
+        memcpy(h->symbols, s + 17, (size_t)total);
+        for (int i = 0; i < total; i++)
+          if (tc == 0 && h->symbols[i] > 11) return E_RANGE; /* 8-bit DC differences have at most 11 bits */
+        h->defined = 1;
+        built[tc][th] = 0; /* (re)built at the scan that uses it */
+        s += 17 + total;
+      }
+    } else if (m == 0xDD) { /* DRI */
+      if (len != 4) return E_STRUCTURE;
+      restart = s[0] << 8 | s[1];
+    } else if (m == 0xC0 || m == 0xC1) { /* SOF0/SOF1: sequential, Huffman */
+      if (have_frame || len < 8) return E_STRUCTURE;
+      if (s[0] != 8) return E_UNSUPPORTED;
+      height = (size_t)s[1] << 8 | s[2];
+      width = (size_t)s[3] << 8 | s[4];
+      ncomp = s[5];
+      if (!width || !height || (ncomp != 1 && ncomp != 3)) return E_UNSUPPORTED;
+      if (len != 8 + 3 * (size_t)ncomp) return E_STRUCTURE;
+      for (int c = 0; c < ncomp; c++) {
+        comp[c].id = s[6 + 3 * c];
+        comp[c].h = s[7 + 3 * c] >> 4;
+        comp[c].v = s[7 + 3 * c] & 15;
+        comp[c].tq = s[8 + 3 * c];
+        if (comp[c].h < 1 || comp[c].h > 4 || comp[c].v < 1 || comp[c].v > 4 || comp[c].tq > 3) return E_STRUCTURE;
+      }
+      have_frame = 1;
+    } else if (m == 0xDA) { /* SOS */
+      if (!have_frame || len < 6) return E_STRUCTURE;
+      int ns = s[0];
+      if (ns != ncomp || len != 6 + 2 * (size_t)ns) return ns != ncomp ? E_UNSUPPORTED : E_STRUCTURE;
+      for (int c = 0; c < ns; c++) {
+        if (s[1 + 2 * c] != comp[c].id) return E_UNSUPPORTED;
+        comp[c].td = s[2 + 2 * c] >> 4;
+        comp[c].ta = s[2 + 2 * c] & 15;
+        if (comp[c].td > 3 || comp[c].ta > 3 || !dc[comp[c].td].defined || !ac[comp[c].ta].defined ||
+            !quant_defined[comp[c].tq])
+          return E_STRUCTURE;
+      }
+      const uint8_t *t = s + 1 + 2 * ns;
+      if (t[0] != 0 || t[1] != 63 || t[2] != 0) return E_UNSUPPORTED;
+      break;
+    } else if ((m >= 0xE0 && m <= 0xEF) || m == 0xFE) { /* APPn, COM: skipped */
+    } else {
+      return E_UNSUPPORTED; /* progressive, arithmetic, lossless, DNL, ... */
+    }
+  }
+
+  int hmax = 1, vmax = 1, per_mcu = 0;
+  for (int c = 0; c < ncomp; c++) {
+    if (comp[c].h > hmax) hmax = comp[c].h;
+    if (comp[c].v > vmax) vmax = comp[c].v;
+    per_mcu += comp[c].h * comp[c].v;
+  }
+  size_t mcus;
+  if (ncomp == 1) { /* a lone component is one non-interleaved block per MCU, over its own extent */
+    size_t cw = (width * comp[0].h + hmax - 1) / hmax, ch = (height * comp[0].v + vmax - 1) / vmax;
+    mcus = ((cw + 7) / 8) * ((ch + 7) / 8);
+    comp[0].h = comp[0].v = 1;
+  } else {
+    if (per_mcu > 10) return E_STRUCTURE; /* libjpeg-turbo's limit of blocks per MCU */
+    mcus = ((width + 8 * hmax - 1) / (8 * hmax)) * ((height + 8 * vmax - 1) / (8 * vmax));
+  }
+  for (int c = 0; c < ncomp; c++) {
+    int err = built[0][comp[c].td] ? OK : build_huffman(&dc[comp[c].td], 1);
+    if (!err) err = built[1][comp[c].ta] ? OK : build_huffman(&ac[comp[c].ta], 0);
+    if (err) return err;
+    built[0][comp[c].td] = built[1][comp[c].ta] = 1;
+  }
+
+  Segment g;
+  g.buf = malloc(n - p + 16);
+  if (!g.buf) return E_STRUCTURE;
+  int err = check_scan(d, n, p, &g, comp, ncomp, dc, ac, quant, mcus, restart);
+  free(g.buf);
+  return err;
+}

@@ -1,0 +1,95 @@
+"""The strict scan check that a JPEG passes before the GPU decodes it (scan_check.c says what it refuses
+and why: docs/jpeg_decoding.md#damaged-scans).
+
+The C file is compiled once per machine with the host's C compiler (`CC`, else `cc`) into a cache folder
+(`KIMI_BUILD_CACHE`, else a per-user folder under the system's temporary folder), named by a hash of
+its source, and loaded with ctypes. ctypes drops the GIL during the call, so several images can be
+checked on several threads. Without a compiler `ScanCheckUnavailable` is raised: the GPU route then
+stays off and Pillow decodes every JPEG.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("scan_check.c")
+_FLAGS = ("-O2", "-shared", "-fPIC")
+
+# The C function's answers (0: the GPU route may take the image).
+REASONS = {
+    1: "scan_structure",
+    2: "scan_unsupported",
+    3: "scan_bad_code",
+    4: "scan_overrun",
+    5: "scan_short",
+    6: "scan_extra_bytes",
+    7: "scan_restart",
+    8: "scan_range",
+}
+
+
+class ScanCheckUnavailable(RuntimeError):
+    pass
+
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("KIMI_BUILD_CACHE")
+    return Path(configured) if configured else Path(tempfile.gettempdir()) / f"kimi-vision-{os.getuid()}"
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(source + " ".join((compiler,) + _FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"scan_check-{tag}.so"
+    if target.exists():
+        return target
+    if shutil.which(compiler) is None:
+        raise ScanCheckUnavailable(f"no C compiler ({compiler!r}) to build {SOURCE.name}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a private name, then renamed: model instances starting together never load half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ScanCheckUnavailable(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def library() -> ctypes.CDLL:
+    """The compiled check, built on first use."""
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            try:
+                lib = ctypes.CDLL(str(_build()))
+            except OSError as exc:
+                raise ScanCheckUnavailable(str(exc)) from None
+            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+            lib.kimi_scan_check.restype = ctypes.c_int
+            _LIB = lib
+    return _LIB
+
+
+def check(blob: bytes) -> str | None:
+    """None if the GPU decode of this JPEG must equal Pillow's (a well-formed baseline scan within
+    range), else the reason it goes to Pillow."""
+    data = bytes(blob)
+    code = library().kimi_scan_check(data, len(data))
+    return None if code == 0 else REASONS.get(code, f"scan_{code}")

@@ -1,0 +1,127 @@
+"""The strict scan check (backends/preprocess/scan_check.c) that every JPEG passes before the GPU decodes
+it: well-formed files pass, each kind of damage is refused with its reason, and whatever Pillow refuses
+to decode is refused too (Pillow raising is libjpeg-turbo's own verdict that the file is broken)."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from backends.preprocess import scan_check
+from backends.preprocess.jpeg_gpu import self_check_images
+from clients.samples import encode, photo_like
+from oracles.jpeg_corpus import corpus, damaged, pillow_only, scan_start
+
+
+def _save(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def _with_quant(blob: bytes, scale: int) -> bytes:
+    """The file with every quantizer of every DQT table multiplied by `scale` (the scan unchanged)."""
+    out, i = bytearray(blob), 2
+    while out[i + 1] != 0xDA:
+        length = int.from_bytes(out[i + 2:i + 4], "big")
+        if out[i + 1] == 0xDB:
+            for t in range(i + 4, i + 2 + length, 65):
+                out[t + 1:t + 65] = bytes(min(255, v * scale) for v in out[t + 1:t + 65])
+        i += 2 + length
+    return bytes(out)
+
+
+def test_every_well_formed_file_passes():
+    files = [(label, blob) for label, blob in corpus()]
+    files += [(f"self-check {k}", b) for k, b in enumerate(self_check_images())]
+    for q in (30, 75, 95, 100):
+        files.append((f"448 photo q{q}", encode(photo_like(448, 448, seed=q), "JPEG", quality=q)))
+    refused = {label: scan_check.check(blob) for label, blob in files if scan_check.check(blob) is not None}
+    assert refused == {}
+
+
+def test_what_the_gpu_route_does_not_take_is_refused_as_unsupported():
+    for label, blob, _ in pillow_only():  # progressive, CMYK (4 components)
+        assert scan_check.check(blob) == "scan_unsupported", label
+
+
+def test_large_coefficients_that_still_clamp_pass_and_those_that_would_wrap_are_refused():
+    """A black/white checkerboard at quality 100 has coefficients whose cheap bound exceeds the limit:
+    the exact IDCT decides, and its outputs (0 and 255) are in range. The same scan with quantizers
+    four times larger would reach about 4 x 128 = 512 past the centre, where libjpeg-turbo's range-limit
+    table wraps instead of clamping: refused."""
+    board = ((np.indices((64, 64)).sum(0) % 2) * 255).astype(np.uint8)
+    blob = _save(Image.fromarray(board), quality=100)
+    assert scan_check.check(blob) is None
+    assert scan_check.check(_with_quant(blob, 4)) == "scan_range"
+    assert scan_check.check(_with_quant(blob, 255)) == "scan_range"  # coefficient x quantizer past 16 bits
+
+
+@pytest.fixture(scope="module")
+def photo_jpeg():
+    return encode(photo_like(96, 64, seed=3), "JPEG", quality=90)
+
+
+def test_damage_is_refused_with_its_reason(photo_jpeg):
+    start = scan_start(photo_jpeg)
+    end = len(photo_jpeg) - 2
+    cases = {
+        # the scan cut short, the end marker kept: the decoder would run into it and read zeros
+        "scan_short": photo_jpeg[:start + (end - start) // 2] + b"\xff\xd9",
+        # bytes left over between the last block and the end marker
+        "scan_extra_bytes": photo_jpeg[:end] + b"\x12\x34" + photo_jpeg[end:],
+        # nine one-bits open the scan: not a code of the standard luminance DC table
+        "scan_bad_code": photo_jpeg[:start] + b"\xff\x00\xff\x00" + photo_jpeg[start:],
+        # a second scan after the first (the GPU route takes one interleaved scan)
+        "scan_structure": photo_jpeg[:end] + b"\xff\xc4\x00\x02" + photo_jpeg[end:],
+        # trailing bytes after the end marker
+        "scan_structure ": photo_jpeg + b"\x00",
+    }
+    for want, blob in cases.items():
+        assert scan_check.check(blob) == want.strip(), want
+
+
+def test_restart_markers_out_of_order_are_refused():
+    blob = _save(Image.fromarray(photo_like(96, 64, seed=4)), quality=90, restart_marker_blocks=2)
+    assert scan_check.check(blob) is None
+    first = blob.index(b"\xff\xd0", scan_start(blob))
+    assert scan_check.check(blob[:first] + b"\xff\xd1" + blob[first + 2:]) == "scan_restart"
+    assert scan_check.check(blob[:first] + blob[first + 2:]) is not None  # one restart marker missing
+
+
+def test_whatever_pillow_refuses_is_refused():
+    """Random damage inside the scan. Where Pillow (libjpeg-turbo) raises, the check must refuse, or the
+    GPU would answer pixels where the reference answers an error. Damage that leaves a well-formed scan
+    (a stretch inside one block: both decoders read the same coefficients) may pass; whether the GPU
+    then equals Pillow is tests/gpu/test_jpeg_decode.py's corrupt-scan test, on these same files."""
+    refused = pillow_raised = 0
+    for seed, quality in enumerate((40, 65, 80, 95)):
+        base = encode(photo_like(120, 80, seed=seed), "JPEG", quality=quality, subsampling=seed % 3)
+        for label, blob in damaged(base, seed, 150):
+            verdict = scan_check.check(blob)
+            try:
+                Image.open(io.BytesIO(blob)).convert("RGB")
+            except Exception:  # noqa: BLE001 - whatever Pillow raises
+                pillow_raised += 1
+                assert verdict is not None, f"seed {seed}, {label}: Pillow raised, the check passed the file"
+            refused += verdict is not None
+    assert pillow_raised > 0  # the property above was put to the test
+    assert refused > 120, refused  # and much damage is caught before the decoders diverge
+
+
+def test_without_a_compiler_the_check_is_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIMI_BUILD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(scan_check.ScanCheckUnavailable, match="no C compiler"):
+        scan_check._build()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("KIMI_BUILD_CACHE", str(tmp_path))
+    first = scan_check._build()
+    assert first.parent == tmp_path and first.name.startswith("scan_check-")
+    stamp = first.stat().st_mtime_ns
+    assert scan_check._build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
