@@ -12,6 +12,7 @@
  * Built once per process by scan_check.py with the host's C compiler; no dependency beyond libc/libm.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,6 +64,9 @@ static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) posi
 #define OUTPUT_LIMIT 500.0f
 #define PASS1_LIMIT 2800.0f
 #define COEF_LIMIT 16383
+
+/* Below this many bytes of scan per thread, one thread checks (starting threads costs more). */
+#define PARALLEL_MIN_BYTES 32768
 
 static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
 static float column[64][8];  /* column[natural position][row]: the first (column) pass */
@@ -221,14 +225,259 @@ static int end_interval(const uint8_t *d, size_t n, const Segment *g, size_t bp,
   return OK;
 }
 
-static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Component *comp, int ncomp,
-                      const Huffman *dc, const Huffman *ac, uint16_t quant[4][64], size_t mcus, int restart) {
-  int32_t pred[4] = {0};
+/* What decoding one block needs: the segment, and per block of an MCU its component's tables. */
+typedef struct {
+  const uint8_t *buf;
+  size_t limit; /* bits in the segment */
+  int per_mcu;
+  const Huffman *dc[10], *ac[10];
+  const uint16_t *q[10];
+  int comp[10]; /* component of each block of an MCU */
+} Ctx;
+
+typedef struct {
+  int32_t diff;            /* the DC difference */
+  float ac_bound, ac_total; /* the block's AC coefficients (times quantizers): sum |F| max|basis|, sum |F| */
+  int nz;                  /* AC coefficients kept in pos/val (for the exact IDCT) */
+} Block;
+
+/* One block of MCU position j from bit *bp: everything that does not depend on the DC predictor.
+ * Returns 0 or the block's error; *bp moves past it. pos/val receive the AC coefficients. */
+static inline int decode_block(const Ctx *cx, int j, size_t *bp, Block *o, int32_t *pos, int32_t *val) {
+  const Huffman *ha = cx->ac[j];
+  const uint16_t *q = cx->q[j];
+  Entry e = lookup(cx->dc[j], bits_at(cx->buf, *bp));
+  if (!e.codelen) return E_BAD_CODE;
+  o->diff = value(&e, cx->buf, bp, e.rs);
+  float bound = 0, total = 0;
+  int nz = 0;
+  for (int k = 1; k < 64; k++) {
+    if (*bp > cx->limit) return E_SHORT; /* past the marker: libjpeg-turbo would read zeros */
+    e = lookup(ha, bits_at(cx->buf, *bp));
+    if (!e.codelen) return E_BAD_CODE;
+    int r = e.rs >> 4, s = e.rs & 15;
+    if (!s) {
+      *bp += e.codelen;
+      if (r != 15) break; /* end of block */
+      k += 15;
+      if (k > 63) return E_OVERRUN;
+      continue;
+    }
+    k += r;
+    if (k > 63) return E_OVERRUN;
+    if (s > 10) return E_RANGE; /* 8-bit AC coefficients have at most 10 bits */
+    int32_t v = value(&e, cx->buf, bp, s) * q[k];
+    if (v > COEF_LIMIT || v < -COEF_LIMIT) return E_RANGE;
+    bound += fabsf((float)v) * weight[ZIGZAG[k]];
+    total += fabsf((float)v);
+    pos[nz] = ZIGZAG[k], val[nz++] = v;
+  }
+  if (*bp > cx->limit) return E_SHORT;
+  o->ac_bound = bound, o->ac_total = total, o->nz = nz;
+  return OK;
+}
+
+/* The DC-dependent checks of a decoded block, once its predictor is known. pos/val: its AC
+ * coefficients, with room for one more. */
+static inline int block_ok(const Block *o, int32_t pred, int q0, int32_t *pos, int32_t *val) {
+  int32_t dq = pred * q0;
+  if (dq > COEF_LIMIT || dq < -COEF_LIMIT) return E_RANGE;
+  float a = fabsf((float)dq);
+  /* Cheap bounds first: |output| <= sum |F| * max|basis|, |first pass| <= sum |F| / 2. */
+  if (o->ac_bound + a * weight[0] <= OUTPUT_LIMIT && (o->ac_total + a) * 0.5f <= PASS1_LIMIT) return OK;
+  pos[o->nz] = 0, val[o->nz] = dq;
+  return block_in_range(pos, val, o->nz + 1) ? OK : E_RANGE;
+}
+
+/* ---- one segment checked by several threads ----------------------------------------------------
+ * Track t decodes from its chunk's first bit as if a block of MCU position 0 began there. Huffman
+ * codes resynchronize: soon its block starts are the true ones. Each track records its blocks; then
+ * each track goes on into the next chunk until one of its block starts (bit, MCU position) is one the
+ * next track recorded: from there both decode the same blocks. The walk follows the true path from
+ * the start through the merged records, applying the DC predictors and counting blocks, exactly as
+ * the one-thread check does. A track that hits an error before its chunk's end records it and starts
+ * again one byte later: if the walk reaches that record, the error is on the true path (decoding from
+ * a merge point is the true decoding). A track that never merges simply decodes on to the end. */
+
+typedef struct {
+  size_t bp, end; /* the block's first bit and the bit after it */
+  Block b;
+  uint8_t j;     /* MCU position */
+  uint8_t error; /* 0, or the block's error: the track stops there */
+} Rec;
+
+typedef struct Track {
+  const Ctx *cx;
+  size_t start, stop; /* phase 1: blocks that begin in [start, stop) */
+  Rec *rec;
+  size_t n, cap;
+  int speculative;
+  const struct Track *next;
+  size_t merge_from, merge_to; /* records [0, merge_from) are used, then next's from merge_to */
+  int merged, failed;
+} Track;
+
+static int push(Track *t, const Rec *r) {
+  if (t->n == t->cap) {
+    size_t cap = t->cap ? 2 * t->cap : 1024;
+    Rec *grown = realloc(t->rec, cap * sizeof(Rec));
+    if (!grown) return 0;
+    t->rec = grown, t->cap = cap;
+  }
+  t->rec[t->n++] = *r;
+  return 1;
+}
+
+/* Decodes blocks from (bp, j), recording them: in phase 1 those that begin before t->stop, in phase 2
+ * until a block start the next track recorded. Stops at an error (recorded). */
+static void decode_from(Track *t, size_t bp, int j, int phase2) {
+  const Ctx *cx = t->cx;
   int32_t pos[64], val[64];
+  const Track *nx = t->next;
+  size_t m = 0;
+  for (;;) {
+    if (phase2) { /* is (bp, j) a block start the next track recorded? */
+      while (m < nx->n && nx->rec[m].bp < bp) m++;
+      if (m < nx->n && nx->rec[m].bp == bp && nx->rec[m].j == j) {
+        t->merge_from = t->n, t->merge_to = m, t->merged = 1;
+        return;
+      }
+    } else if (bp >= t->stop) {
+      return;
+    }
+    Rec r = {bp, 0, {0, 0, 0, 0}, (uint8_t)j, 0};
+    int err = decode_block(cx, j, &bp, &r.b, pos, val);
+    r.end = bp;
+    r.error = (uint8_t)err;
+    if (!push(t, &r)) {
+      t->failed = 1;
+      return;
+    }
+    if (err) {
+      if (!t->speculative || phase2) return;
+      /* Perhaps not yet on the true path: start again a byte further on. A merge never crosses an
+       * error record (the walk stops at it), so the records stay one sorted list. */
+      bp = ((r.bp >> 3) + 1) << 3;
+      j = 0;
+      if (bp >= t->stop) return;
+      continue;
+    }
+    j = j + 1 == cx->per_mcu ? 0 : j + 1;
+  }
+}
+
+static void *phase1(void *arg) {
+  Track *t = arg;
+  decode_from(t, t->start, 0, 0);
+  return NULL;
+}
+
+static void *phase2(void *arg) {
+  Track *t = arg;
+  if (t->next && !t->failed && !(t->n && t->rec[t->n - 1].error)) {
+    size_t bp = t->n ? t->rec[t->n - 1].end : t->start;
+    int j = t->n ? (t->rec[t->n - 1].j + 1) % t->cx->per_mcu : 0;
+    decode_from(t, bp, j, 1);
+  }
+  return NULL;
+}
+
+/* Verdicts the walk gave, and times the threads could not be used: for the tests. */
+static long walks, fallbacks;
+long kimi_scan_walks(void) { return __atomic_load_n(&walks, __ATOMIC_RELAXED); }
+long kimi_scan_fallbacks(void) { return __atomic_load_n(&fallbacks, __ATOMIC_RELAXED); }
+
+/* -1: the threads could not be used (then the one-thread check runs); else the segment's verdict up
+ * to its end (the caller checks the end marker at *end_bp). */
+static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end_bp) {
+  Track tr[16];
+  pthread_t id[16];
+  memset(tr, 0, sizeof tr);
+  size_t bytes = cx->limit / 8;
+  for (int t = 0; t < threads; t++) {
+    tr[t].cx = cx;
+    tr[t].start = (bytes * t / threads) * 8;
+    tr[t].stop = t + 1 < threads ? (bytes * (t + 1) / threads) * 8 : cx->limit + 1;
+    tr[t].speculative = t > 0;
+    tr[t].next = t + 1 < threads ? &tr[t + 1] : NULL;
+  }
+  int verdict = -1, started = 0;
+  for (; started < threads; started++)
+    if (pthread_create(&id[started], NULL, phase1, &tr[started])) break;
+  for (int t = 0; t < started; t++) pthread_join(id[t], NULL);
+  if (started < threads) goto done;
+  for (started = 0; started < threads - 1; started++)
+    if (pthread_create(&id[started], NULL, phase2, &tr[started])) break;
+  for (int t = 0; t < started; t++) pthread_join(id[t], NULL);
+  if (started < threads - 1) goto done;
+  for (int t = 0; t < threads; t++)
+    if (tr[t].failed) goto done;
+
+  /* The walk. */
+  {
+    int32_t pred[4] = {0}, pos[64], val[64];
+    int t = 0;
+    size_t i = 0, bp = 0;
+    for (size_t blk = 0; blk < blocks; blk++) {
+      while (tr[t].merged && i == tr[t].merge_from) i = tr[t].merge_to, t++;
+      if (i >= tr[t].n) { /* a track ended without merging or erring: only at the end of the data */
+        verdict = E_SHORT;
+        goto done;
+      }
+      const Rec *r = &tr[t].rec[i++];
+      int j = (int)(blk % (size_t)cx->per_mcu);
+      if (r->bp != bp || r->j != j) goto done; /* cannot happen; the one-thread check decides */
+      if (r->error) {
+        verdict = r->error;
+        goto done;
+      }
+      int c = cx->comp[j];
+      pred[c] += r->b.diff;
+      float a = fabsf((float)pred[c] * cx->q[j][0]);
+      if (a > COEF_LIMIT || r->b.ac_bound + a * weight[0] > OUTPUT_LIMIT || (r->b.ac_total + a) * 0.5f > PASS1_LIMIT) {
+        /* block_ok as the one-thread check calls it, with the coefficients decoded once more */
+        size_t again = r->bp;
+        Block b;
+        decode_block(cx, j, &again, &b, pos, val);
+        int err = block_ok(&b, pred[c], cx->q[j][0], pos, val);
+        if (err) {
+          verdict = err;
+          goto done;
+        }
+      }
+      bp = r->end;
+    }
+    *end_bp = bp;
+    verdict = OK;
+  }
+done:
+  for (int t = 0; t < threads; t++) free(tr[t].rec);
+  __atomic_fetch_add(verdict < 0 ? &fallbacks : &walks, 1, __ATOMIC_RELAXED);
+  return verdict;
+}
+
+static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Component *comp, int ncomp,
+                      const Huffman *dc, const Huffman *ac, uint16_t quant[4][64], size_t mcus, int restart,
+                      int threads) {
+  Ctx cx;
+  cx.per_mcu = 0;
+  for (int c = 0; c < ncomp; c++)
+    for (int blk = comp[c].h * comp[c].v; blk > 0; blk--) {
+      cx.dc[cx.per_mcu] = &dc[comp[c].td], cx.ac[cx.per_mcu] = &ac[comp[c].ta];
+      cx.q[cx.per_mcu] = quant[comp[c].tq], cx.comp[cx.per_mcu++] = c;
+    }
+  int32_t pred[4] = {0}, pos[64], val[64];
   int next_rst = 0;
-  size_t bp = 0, limit;
+  size_t bp = 0;
   segment(d, n, p, g);
-  limit = g->len * 8;
+  cx.buf = g->buf, cx.limit = g->len * 8;
+  if (!restart && threads > 1 && g->len >= (size_t)threads * PARALLEL_MIN_BYTES) {
+    if (threads > 16) threads = 16;
+    int verdict = check_parallel(&cx, mcus * (size_t)cx.per_mcu, threads, &bp);
+    if (verdict > 0) return verdict;
+    if (verdict == OK) return end_interval(d, n, g, bp, 0xD9);
+    bp = 0; /* the threads could not be used: one thread */
+  }
   for (size_t mcu = 0; mcu < mcus; mcu++) {
     if (restart && mcu && mcu % (size_t)restart == 0) {
       int err = end_interval(d, n, g, bp, 0xD0 + next_rst);
@@ -236,53 +485,20 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
       next_rst = (next_rst + 1) & 7;
       pred[0] = pred[1] = pred[2] = pred[3] = 0;
       segment(d, n, g->next + 2, g);
-      limit = g->len * 8;
+      cx.limit = g->len * 8;
       bp = 0;
     }
-    for (int c = 0; c < ncomp; c++) {
-      const Huffman *hd = &dc[comp[c].td], *ha = &ac[comp[c].ta];
-      const uint16_t *q = quant[comp[c].tq];
-      for (int blk = comp[c].h * comp[c].v; blk > 0; blk--) {
-        Entry e = lookup(hd, bits_at(g->buf, bp));
-        if (!e.codelen) return E_BAD_CODE;
-        pred[c] += value(&e, g->buf, &bp, e.rs);
-        int32_t dq = pred[c] * q[0];
-        if (dq > COEF_LIMIT || dq < -COEF_LIMIT) return E_RANGE;
-        float bound = fabsf((float)dq) * weight[0], total = fabsf((float)dq);
-        int nz = 0;
-        if (dq) pos[nz] = 0, val[nz++] = dq;
-        for (int k = 1; k < 64; k++) {
-          if (bp > limit) return E_SHORT; /* past the marker: libjpeg-turbo would read zeros */
-          e = lookup(ha, bits_at(g->buf, bp));
-          if (!e.codelen) return E_BAD_CODE;
-          int r = e.rs >> 4, s = e.rs & 15;
-          if (!s) {
-            bp += e.codelen;
-            if (r != 15) break; /* end of block */
-            k += 15;
-            if (k > 63) return E_OVERRUN;
-            continue;
-          }
-          k += r;
-          if (k > 63) return E_OVERRUN;
-          if (s > 10) return E_RANGE; /* 8-bit AC coefficients have at most 10 bits */
-          int32_t v = value(&e, g->buf, &bp, s) * q[k];
-          if (v > COEF_LIMIT || v < -COEF_LIMIT) return E_RANGE;
-          bound += fabsf((float)v) * weight[ZIGZAG[k]];
-          total += fabsf((float)v);
-          pos[nz] = ZIGZAG[k], val[nz++] = v;
-        }
-        if (bp > limit) return E_SHORT;
-        /* Cheap bounds first: |output| <= sum |F| * max|basis|, |first pass| <= sum |F| / 2. */
-        if ((bound > OUTPUT_LIMIT || total * 0.5f > PASS1_LIMIT) && !block_in_range(pos, val, nz))
-          return E_RANGE;
-      }
+    for (int j = 0; j < cx.per_mcu; j++) {
+      Block b;
+      int err = decode_block(&cx, j, &bp, &b, pos, val);
+      if (!err) err = block_ok(&b, pred[cx.comp[j]] += b.diff, cx.q[j][0], pos, val);
+      if (err) return err;
     }
   }
   return end_interval(d, n, g, bp, 0xD9);
 }
 
-int kimi_scan_check(const uint8_t *d, size_t n) {
+int kimi_scan_check(const uint8_t *d, size_t n, int threads) {
   if (!tables_ready) build_basis(); /* idempotent: racing threads write the same values */
   Huffman dc[4], ac[4];
   uint16_t quant[4][64];
@@ -392,7 +608,7 @@ int kimi_scan_check(const uint8_t *d, size_t n) {
   Segment g;
   g.buf = malloc(n - p + 16);
   if (!g.buf) return E_STRUCTURE;
-  int err = check_scan(d, n, p, &g, comp, ncomp, dc, ac, quant, mcus, restart);
+  int err = check_scan(d, n, p, &g, comp, ncomp, dc, ac, quant, mcus, restart, threads);
   free(g.buf);
   return err;
 }

@@ -20,7 +20,9 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("scan_check.c")
-_FLAGS = ("-O2", "-shared", "-fPIC")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
+# Threads one large scan is checked on (scan_check.c splits a scan of at least 32 KB per thread).
+THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # The C function's answers (0: the GPU route may take the image).
 REASONS = {
@@ -81,15 +83,21 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(_build()))
             except OSError as exc:
                 raise ScanCheckUnavailable(str(exc)) from None
-            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t)
+            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
             lib.kimi_scan_check.restype = ctypes.c_int
+            lib.kimi_scan_walks.restype = lib.kimi_scan_fallbacks.restype = ctypes.c_long
             _LIB = lib
     return _LIB
 
 
-def check(blob: bytes) -> str | None:
+def check(blob: bytes, threads: int = THREADS) -> str | None:
     """None if the GPU decode of this JPEG must equal Pillow's (a well-formed baseline scan within
-    range), else the reason it goes to Pillow."""
+    range), else the reason it goes to Pillow. The answer does not depend on `threads`."""
     data = bytes(blob)
-    code = library().kimi_scan_check(data, len(data))
+    code = library().kimi_scan_check(data, len(data), threads)
     return None if code == 0 else REASONS.get(code, f"scan_{code}")
+
+
+def parallel_counts() -> tuple[int, int]:
+    """(scans checked on several threads, times the threads could not be used) since the start."""
+    return library().kimi_scan_walks(), library().kimi_scan_fallbacks()

@@ -125,3 +125,29 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
     stamp = first.stat().st_mtime_ns
     assert scan_check._build() == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
+
+
+def test_a_large_scan_gets_the_same_verdict_on_several_threads():
+    """A scan of at least 32 KB per thread is split among threads that decode speculatively from their
+    chunk's start and merge where they meet the true path: the verdict must be the one-thread one,
+    on well-formed files and on damaged ones (damage near a chunk boundary included)."""
+    base = encode(photo_like(1024, 768, seed=11), "JPEG", quality=90)
+    gray = encode(photo_like(1024, 768, seed=12), "JPEG", quality=95)
+    gray = _save(Image.open(io.BytesIO(gray)).convert("L"), quality=95)
+    files = [("4:2:0", base), ("gray", gray)] + damaged(base, 5, 45) + damaged(gray, 6, 15)
+    start = scan_start(base)
+    for t in (2, 4, 8):  # a stretch dropped right at each chunk boundary (of 2, 4 and 8 threads)
+        for k in range(1, t):
+            cut = start + (len(base) - start) * k // t
+            files.append((f"dropped at {k}/{t}", base[:cut - 3] + base[cut + 2:]))
+    verdicts = {}
+    walks, fallbacks = scan_check.parallel_counts()
+    for label, blob in files:
+        one = scan_check.check(blob, threads=1)
+        for threads in (2, 3, 4, 8):
+            assert scan_check.check(blob, threads=threads) == one, (label, threads)
+        verdicts[label] = one
+    assert verdicts["4:2:0"] is None and verdicts["gray"] is None
+    assert sum(v is not None for v in verdicts.values()) > 20  # damage was caught on many threads too
+    now_walks, now_fallbacks = scan_check.parallel_counts()
+    assert now_walks - walks > 2 * len(files) and now_fallbacks == fallbacks  # the threads answered
