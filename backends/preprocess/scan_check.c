@@ -71,7 +71,7 @@ static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) posi
 static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
 static float column[64][8];  /* column[natural position][row]: the first (column) pass */
 static float weight[64];     /* max over pixels of |basis[k][.]| */
-static int tables_ready;
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
 static void build_basis(void) {
   const double pi = 3.14159265358979323846;
@@ -89,7 +89,6 @@ static void build_basis(void) {
       }
       weight[v * 8 + u] = (float)top;
     }
-  tables_ready = 1;
 }
 
 /* The exact IDCT of one block (coefficients already multiplied by their quantizers), and its first
@@ -499,7 +498,7 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
 }
 
 int kimi_scan_check(const uint8_t *d, size_t n, int threads) {
-  if (!tables_ready) build_basis(); /* idempotent: racing threads write the same values */
+  pthread_once(&tables_once, build_basis);
   Huffman dc[4], ac[4];
   uint16_t quant[4][64];
   int quant_defined[4] = {0};
