@@ -10,7 +10,8 @@ Cases: 1x1024^2, 1x3000^2, 8x448^2 JPEGs (quality 90, 4:2:0). Per case:
 - the encoder alone, in this process on the same weights and pixels, as the server runs it (bf16,
   CUDA graphs for grid lists seen before): median of CUDA-synchronized wall times;
 - decode alone: the exact GPU decode (nvJPEG hardware planes + our upsampling/colour kernel, waiting
-  for the scan checks), the scan check alone on one core (backends/preprocess/scan_check.c), and
+  for the scan checks), the scan check alone (backends/preprocess/scan_check.c: a large scan on
+  several threads, the images of a request one after another), and
   Pillow's `Image.open(f).convert("RGB")` on one core, per request's images.
 Then end to end / encoder alone, the issue's target (<= 1.25x). --profile also writes the stubs'
 torch-profiler tables (backends/serving/profiling.py) under --out/profile, from extra requests of the
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
               f"checkpoint {args.checkpoint}; {args.iters} requests per case after 3 warm-ups; end to end = client wall "
               "time with IMAGE_EMBEDS written into one registered CUDA region; per-model times from tritonserver's "
               "statistics over the same requests (ms per request); encoder and decode alone in this process.\n",
-              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | scan check (1 core) | Pillow decode (1 core) |",
+              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | scan check alone | Pillow decode (1 core) |",
               "|---|---|---|---|---|---|---|---|"]
     for case, r in results.items():
         lines.append(f"| {case} | {r['end_to_end_ms']:.1f} | {r['encoder_ms']:.1f} | {r['end_to_end_over_encoder']:.2f}x | "

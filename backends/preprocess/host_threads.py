@@ -8,7 +8,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-THREADS = max(1, min(4, (os.cpu_count() or 1)))
+THREADS = max(1, min(8, (os.cpu_count() or 1)))
 
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None

@@ -65,8 +65,10 @@ static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) posi
 #define PASS1_LIMIT 2800.0f
 #define COEF_LIMIT 16383
 
-/* Below this many bytes of scan per thread, one thread checks (starting threads costs more). */
-#define PARALLEL_MIN_BYTES 32768
+/* A scan is split among at most this many threads, each with at least this many bytes of it (fewer
+ * bytes per thread cost more in starting threads than they save). */
+#define MAX_THREADS 16
+#define PARALLEL_MIN_BYTES 65536
 
 static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
 static float column[64][8];  /* column[natural position][row]: the first (column) pass */
@@ -305,40 +307,51 @@ typedef struct {
   uint8_t error; /* 0, or the block's error: the track stops there */
 } Rec;
 
+/* A track's records: phase 1's, then those phase 2 adds (a separate list, so that the track before,
+ * searching phase 1's records in its own phase 2, never reads a list being grown). */
+typedef struct {
+  Rec *rec;
+  size_t n, cap;
+} Recs;
+
 typedef struct Track {
   const Ctx *cx;
   size_t start, stop; /* phase 1: blocks that begin in [start, stop) */
-  Rec *rec;
-  size_t n, cap;
+  Recs one, two;      /* records of phase 1 and of phase 2 */
   int speculative;
   const struct Track *next;
-  size_t merge_from, merge_to; /* records [0, merge_from) are used, then next's from merge_to */
+  size_t merge_from, merge_to; /* this track's records [0, merge_from), then next's phase-1 records from merge_to */
   int merged, failed;
 } Track;
 
-static int push(Track *t, const Rec *r) {
-  if (t->n == t->cap) {
-    size_t cap = t->cap ? 2 * t->cap : 1024;
-    Rec *grown = realloc(t->rec, cap * sizeof(Rec));
+static int push(Recs *l, const Rec *r) {
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 1024;
+    Rec *grown = realloc(l->rec, cap * sizeof(Rec));
     if (!grown) return 0;
-    t->rec = grown, t->cap = cap;
+    l->rec = grown, l->cap = cap;
   }
-  t->rec[t->n++] = *r;
+  l->rec[l->n++] = *r;
   return 1;
 }
 
+static inline const Rec *rec_at(const Track *t, size_t i) {
+  return i < t->one.n ? &t->one.rec[i] : &t->two.rec[i - t->one.n];
+}
+
 /* Decodes blocks from (bp, j), recording them: in phase 1 those that begin before t->stop, in phase 2
- * until a block start the next track recorded. Stops at an error (recorded). */
+ * until a block start the next track recorded in its phase 1. Stops at an error (recorded). */
 static void decode_from(Track *t, size_t bp, int j, int phase2) {
   const Ctx *cx = t->cx;
   int32_t pos[64], val[64];
   const Track *nx = t->next;
+  Recs *out = phase2 ? &t->two : &t->one;
   size_t m = 0;
   for (;;) {
     if (phase2) { /* is (bp, j) a block start the next track recorded? */
-      while (m < nx->n && nx->rec[m].bp < bp) m++;
-      if (m < nx->n && nx->rec[m].bp == bp && nx->rec[m].j == j) {
-        t->merge_from = t->n, t->merge_to = m, t->merged = 1;
+      while (m < nx->one.n && nx->one.rec[m].bp < bp) m++;
+      if (m < nx->one.n && nx->one.rec[m].bp == bp && nx->one.rec[m].j == j) {
+        t->merge_from = t->one.n + t->two.n, t->merge_to = m, t->merged = 1;
         return;
       }
     } else if (bp >= t->stop) {
@@ -348,7 +361,7 @@ static void decode_from(Track *t, size_t bp, int j, int phase2) {
     int err = decode_block(cx, j, &bp, &r.b, pos, val);
     r.end = bp;
     r.error = (uint8_t)err;
-    if (!push(t, &r)) {
+    if (!push(out, &r)) {
       t->failed = 1;
       return;
     }
@@ -365,19 +378,37 @@ static void decode_from(Track *t, size_t bp, int j, int phase2) {
   }
 }
 
-static void *phase1(void *arg) {
-  Track *t = arg;
+/* Threads meet once, between the phases. */
+typedef struct {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int arrived, go, abandon;
+} Meeting;
+
+typedef struct {
+  Track *track;
+  Meeting *meet;
+} Job;
+
+static void run_track(Track *t, Meeting *mt, int count_in) {
   decode_from(t, t->start, 0, 0);
-  return NULL;
+  pthread_mutex_lock(&mt->lock);
+  mt->arrived += count_in;
+  pthread_cond_broadcast(&mt->cond);
+  while (!mt->go) pthread_cond_wait(&mt->cond, &mt->lock);
+  int abandon = mt->abandon;
+  pthread_mutex_unlock(&mt->lock);
+  if (abandon || !t->next || t->failed) return;
+  size_t n = t->one.n;
+  if (n && t->one.rec[n - 1].error) return; /* the walk cannot pass this track's last record */
+  size_t bp = n ? t->one.rec[n - 1].end : t->start;
+  int j = n ? (t->one.rec[n - 1].j + 1) % t->cx->per_mcu : 0;
+  decode_from(t, bp, j, 1);
 }
 
-static void *phase2(void *arg) {
-  Track *t = arg;
-  if (t->next && !t->failed && !(t->n && t->rec[t->n - 1].error)) {
-    size_t bp = t->n ? t->rec[t->n - 1].end : t->start;
-    int j = t->n ? (t->rec[t->n - 1].j + 1) % t->cx->per_mcu : 0;
-    decode_from(t, bp, j, 1);
-  }
+static void *track_thread(void *arg) {
+  Job *job = arg;
+  run_track(job->track, job->meet, 1);
   return NULL;
 }
 
@@ -387,10 +418,12 @@ long kimi_scan_walks(void) { return __atomic_load_n(&walks, __ATOMIC_RELAXED); }
 long kimi_scan_fallbacks(void) { return __atomic_load_n(&fallbacks, __ATOMIC_RELAXED); }
 
 /* -1: the threads could not be used (then the one-thread check runs); else the segment's verdict up
- * to its end (the caller checks the end marker at *end_bp). */
+ * to its end (the caller checks the end marker at *end_bp). This thread runs track 0. */
 static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end_bp) {
-  Track tr[16];
-  pthread_t id[16];
+  Track tr[MAX_THREADS];
+  Job jobs[MAX_THREADS];
+  pthread_t id[MAX_THREADS];
+  Meeting mt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
   memset(tr, 0, sizeof tr);
   size_t bytes = cx->limit / 8;
   for (int t = 0; t < threads; t++) {
@@ -399,16 +432,28 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
     tr[t].stop = t + 1 < threads ? (bytes * (t + 1) / threads) * 8 : cx->limit + 1;
     tr[t].speculative = t > 0;
     tr[t].next = t + 1 < threads ? &tr[t + 1] : NULL;
+    jobs[t].track = &tr[t], jobs[t].meet = &mt;
   }
-  int verdict = -1, started = 0;
+  int verdict = -1, started = 1;
   for (; started < threads; started++)
-    if (pthread_create(&id[started], NULL, phase1, &tr[started])) break;
-  for (int t = 0; t < started; t++) pthread_join(id[t], NULL);
-  if (started < threads) goto done;
-  for (started = 0; started < threads - 1; started++)
-    if (pthread_create(&id[started], NULL, phase2, &tr[started])) break;
-  for (int t = 0; t < started; t++) pthread_join(id[t], NULL);
-  if (started < threads - 1) goto done;
+    if (pthread_create(&id[started], NULL, track_thread, &jobs[started])) break;
+  /* Track 0 here; then, once every started track has finished phase 1, all go on to phase 2 (or
+   * stop, if a thread could not be started: the one-thread check decides). */
+  pthread_mutex_lock(&mt.lock);
+  mt.abandon = started < threads;
+  pthread_mutex_unlock(&mt.lock);
+  decode_from(&tr[0], 0, 0, 0);
+  pthread_mutex_lock(&mt.lock);
+  while (mt.arrived < started - 1) pthread_cond_wait(&mt.cond, &mt.lock);
+  mt.go = 1;
+  pthread_cond_broadcast(&mt.cond);
+  pthread_mutex_unlock(&mt.lock);
+  if (!mt.abandon && !tr[0].failed && tr[0].next && !(tr[0].one.n && tr[0].one.rec[tr[0].one.n - 1].error)) {
+    size_t n = tr[0].one.n;
+    decode_from(&tr[0], n ? tr[0].one.rec[n - 1].end : 0, n ? (tr[0].one.rec[n - 1].j + 1) % cx->per_mcu : 0, 1);
+  }
+  for (int t = 1; t < started; t++) pthread_join(id[t], NULL);
+  if (mt.abandon) goto done;
   for (int t = 0; t < threads; t++)
     if (tr[t].failed) goto done;
 
@@ -419,11 +464,11 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
     size_t i = 0, bp = 0;
     for (size_t blk = 0; blk < blocks; blk++) {
       while (tr[t].merged && i == tr[t].merge_from) i = tr[t].merge_to, t++;
-      if (i >= tr[t].n) { /* a track ended without merging or erring: only at the end of the data */
+      if (i >= tr[t].one.n + tr[t].two.n) { /* a track ended without merging or erring: only at the end of the data */
         verdict = E_SHORT;
         goto done;
       }
-      const Rec *r = &tr[t].rec[i++];
+      const Rec *r = rec_at(&tr[t], i++);
       int j = (int)(blk % (size_t)cx->per_mcu);
       if (r->bp != bp || r->j != j) goto done; /* cannot happen; the one-thread check decides */
       if (r->error) {
@@ -450,7 +495,7 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
     verdict = OK;
   }
 done:
-  for (int t = 0; t < threads; t++) free(tr[t].rec);
+  for (int t = 0; t < threads; t++) free(tr[t].one.rec), free(tr[t].two.rec);
   __atomic_fetch_add(verdict < 0 ? &fallbacks : &walks, 1, __ATOMIC_RELAXED);
   return verdict;
 }
@@ -470,8 +515,9 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
   size_t bp = 0;
   segment(d, n, p, g);
   cx.buf = g->buf, cx.limit = g->len * 8;
-  if (!restart && threads > 1 && g->len >= (size_t)threads * PARALLEL_MIN_BYTES) {
-    if (threads > 16) threads = 16;
+  if ((size_t)threads > g->len / PARALLEL_MIN_BYTES) threads = (int)(g->len / PARALLEL_MIN_BYTES);
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (!restart && threads > 1) {
     int verdict = check_parallel(&cx, mcus * (size_t)cx.per_mcu, threads, &bp);
     if (verdict > 0) return verdict;
     if (verdict == OK) return end_interval(d, n, g, bp, 0xD9);
