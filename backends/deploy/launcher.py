@@ -221,6 +221,19 @@ def shm_note(dep: Deployment) -> str:
                    "(docker --shm-size, a Memory emptyDir on Kubernetes) or lower max_patches / max_batch")
 
 
+def scan_check_note() -> str:
+    """Builds the JPEG scan check of a GPU deployment once, before the model instances start (they would
+    each find it missing and build it at the same time): into KIMI_BUILD_CACHE, else a per-user folder
+    under the system's temporary folder (backends/preprocess/scan_check.py). Without a C compiler the
+    GPU decodes no JPEG, and Pillow decodes them all."""
+    from backends.preprocess import scan_check
+
+    try:
+        return f"JPEG scan check: {scan_check.library()._name}"
+    except scan_check.ScanCheckUnavailable as exc:
+        return f"WARNING: {exc}; exact GPU JPEG decoding stays off (Pillow decodes every JPEG)"
+
+
 class TritonServer:
     """A tritonserver process on `repository`; `start()` returns once /v2/health/ready answers 200.
 
@@ -502,6 +515,8 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
     if device == "cpu" and gpu_count() == 0:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
+    if device == "gpu":
+        print(scan_check_note(), flush=True)
     latency_hold = hold_cpu_latency(args.cpu_latency_us)  # released when this process exits
     try:
         return _serve(server)

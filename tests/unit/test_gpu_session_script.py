@@ -32,3 +32,17 @@ def test_every_stage_the_docs_tell_a_reader_to_run_exists():
             named.update(args.split())
     assert named, "the README names no stage at all: the pattern above no longer matches it"
     assert named <= known, f"named but not in the script: {sorted(named - known)}"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_the_before_after_script_parses_and_prepares(tmp_path):
+    """tools/stages_ab.sh also runs only on the GPU machine; its `prepare` half runs here."""
+    script = ROOT / "tools" / "stages_ab.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    subprocess.run(["bash", str(script), "prepare", "HEAD", "contract/__init__.py"], cwd=repo, check=True)
+    assert (repo / ".whl" / "before" / "FILES").read_text().split() == ["./contract/__init__.py"]
+    assert (repo / ".whl" / "before" / "contract" / "__init__.py").read_bytes() == (repo / "contract" / "__init__.py").read_bytes()
+    done = subprocess.run(["bash", str(script), "run"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2 and "nothing prepared" in done.stdout

@@ -317,3 +317,18 @@ def test_a_damaged_scan_goes_to_pillow_whatever_the_gpu_made_of_it(monkeypatch):
     half = got.shape[0] // 2
     assert torch.equal(got[:half], want[:half]) and not torch.equal(got[half:], want[half:])
     assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("gpu", ""): 1})
+
+
+def test_without_the_scan_check_no_jpeg_goes_to_the_gpu(monkeypatch):
+    """No C compiler to build the scan check: the decoder stays off and says why, even where a hardware
+    decoder would be there (a stand-in here)."""
+    from backends.preprocess import scan_check
+
+    def unavailable():
+        raise scan_check.ScanCheckUnavailable("no C compiler ('cc') to build scan_check.c")
+
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", _WrongDecoder)
+    monkeypatch.setattr(scan_check, "library", unavailable)
+    decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
+    assert not decoder.enabled and decoder.off_reason == "no C compiler ('cc') to build scan_check.c"
+    assert decoder.reason(Image.open(io.BytesIO(_img()))) == "gpu_decode_off"

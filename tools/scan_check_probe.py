@@ -1,0 +1,78 @@
+"""How long the JPEG scan check takes, per thread count, on the stage table's JPEGs (CPU only).
+
+    python tools/scan_check_probe.py [--phases]
+
+Prints, per case and per thread count, the best of 5 checks (ms), and Pillow's decode of the same
+files on one core for scale. --phases builds a copy of scan_check.c that also prints, per several-thread
+check, the time of its two decoding phases together and of the walk (stderr)."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from backends.preprocess import scan_check  # noqa: E402
+from bench.cases import case_jpegs  # noqa: E402
+
+_TIMED = [  # (anchor in scan_check.c, text put after it)
+    ("#include <math.h>\n", "#include <stdio.h>\n#include <time.h>\nstatic double now_ms(void) { struct timespec ts; "
+                             "clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6; }\n"),
+    ("  int verdict = -1, started = 1;\n", "  double t0 = now_ms(), t2 = 0;\n"),
+    ("  if (mt.abandon) goto done;\n", "  t2 = now_ms();\n"),
+    ("done:\n", "  fprintf(stderr, \"threads %d: phases %.2f ms, walk %.2f ms\\n\", threads, t2 - t0, now_ms() - t2);\n"),
+]
+
+
+def timed_library(folder: Path) -> ctypes.CDLL:
+    source = scan_check.SOURCE.read_text()
+    for anchor, text in _TIMED:
+        if anchor not in source:
+            raise SystemExit(f"scan_check.c changed: {anchor.strip()!r} not found; update _TIMED")
+        source = source.replace(anchor, anchor + text, 1)
+    (folder / "timed.c").write_text(source)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(folder / "timed.so"), str(folder / "timed.c"), "-lm"],
+                   check=True)
+    lib = ctypes.CDLL(str(folder / "timed.so"))
+    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    return lib
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases", action="store_true")
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        check = scan_check.library().kimi_scan_check
+        if args.phases:
+            check = timed_library(Path(tmp)).kimi_scan_check
+        print("| case | file bytes | threads | check ms (best of 5) | Pillow decode ms (1 core) |")
+        print("|---|---|---|---|---|")
+        for case in ("1x3000^2", "1x1024^2", "8x448^2"):
+            blobs = case_jpegs(case)
+            t = time.perf_counter()
+            for b in blobs:
+                Image.open(io.BytesIO(b)).convert("RGB")
+            pillow = (time.perf_counter() - t) * 1e3
+            for threads in map(int, args.threads.split(",")):
+                best = float("inf")
+                for _ in range(5):
+                    t = time.perf_counter()
+                    codes = [check(b, len(b), threads) for b in blobs]
+                    best = min(best, (time.perf_counter() - t) * 1e3)
+                assert not any(codes), codes
+                print(f"| {case} | {sum(map(len, blobs))} | {threads} | {best:.2f} | {pillow:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
