@@ -68,7 +68,7 @@ static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) posi
 /* A scan is split among at most this many threads, each with at least this many bytes of it (fewer
  * bytes per thread cost more in starting threads than they save). */
 #define MAX_THREADS 16
-#define PARALLEL_MIN_BYTES 65536
+#define PARALLEL_MIN_BYTES 32768
 
 static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
 static float column[64][8];  /* column[natural position][row]: the first (column) pass */
@@ -242,38 +242,104 @@ typedef struct {
   int nz;                  /* AC coefficients kept in pos/val (for the exact IDCT) */
 } Block;
 
+/* A bit reader held in registers for one block: `word` holds the bits from byte `at` on (at least 57
+ * valid), `used` of them consumed. Loading a word per symbol from the bit position instead put a
+ * memory load on the chain from one symbol to the next. */
+typedef struct {
+  const uint8_t *buf;
+  size_t at;
+  uint64_t word;
+  int used;
+} Reader;
+
+static inline void reader_at(Reader *rd, const uint8_t *buf, size_t bp) {
+  rd->buf = buf, rd->at = bp >> 3, rd->used = (int)(bp & 7);
+  uint64_t w;
+  memcpy(&w, buf + rd->at, 8);
+  rd->word = __builtin_bswap64(w);
+}
+
+/* At least 32 unconsumed bits ahead (a code and its extra bits take at most 16 + 16). */
+static inline void reader_fill(Reader *rd) {
+  if (rd->used > 64 - 32) {
+    rd->at += (size_t)(rd->used >> 3);
+    rd->used &= 7;
+    uint64_t w;
+    memcpy(&w, rd->buf + rd->at, 8);
+    rd->word = __builtin_bswap64(w);
+  }
+}
+
+static inline size_t reader_bp(const Reader *rd) { return rd->at * 8 + (size_t)rd->used; }
+
+/* The next symbol's entry (codelen 0: no code of this table), nothing consumed. */
+static inline Entry reader_peek(const Reader *rd, const Huffman *h) { return lookup(h, rd->word << rd->used); }
+
+/* Consumes entry e's code and its s extra bits; the value they give. */
+static inline int32_t reader_value(Reader *rd, const Entry *e, int s) {
+  if (e->total) {
+    rd->used += e->total;
+    return e->value;
+  }
+  rd->used += e->codelen;
+  if (!s) return 0;
+  int32_t v = extend((uint32_t)((rd->word << rd->used) >> (64 - s)), s);
+  rd->used += s;
+  return v;
+}
+
 /* One block of MCU position j from bit *bp: everything that does not depend on the DC predictor.
  * Returns 0 or the block's error; *bp moves past it. pos/val receive the AC coefficients. */
 static inline int decode_block(const Ctx *cx, int j, size_t *bp, Block *o, int32_t *pos, int32_t *val) {
   const Huffman *ha = cx->ac[j];
   const uint16_t *q = cx->q[j];
-  Entry e = lookup(cx->dc[j], bits_at(cx->buf, *bp));
+  size_t limit = cx->limit;
+  Reader rd;
+  reader_at(&rd, cx->buf, *bp);
+  Entry e = reader_peek(&rd, cx->dc[j]);
   if (!e.codelen) return E_BAD_CODE;
-  o->diff = value(&e, cx->buf, bp, e.rs);
+  o->diff = reader_value(&rd, &e, e.rs);
   float bound = 0, total = 0;
-  int nz = 0;
+  int nz = 0, err = OK;
   for (int k = 1; k < 64; k++) {
-    if (*bp > cx->limit) return E_SHORT; /* past the marker: libjpeg-turbo would read zeros */
-    e = lookup(ha, bits_at(cx->buf, *bp));
-    if (!e.codelen) return E_BAD_CODE;
+    reader_fill(&rd);
+    if (reader_bp(&rd) > limit) { /* past the marker: libjpeg-turbo would read zeros */
+      err = E_SHORT;
+      break;
+    }
+    e = reader_peek(&rd, ha);
+    if (!e.codelen) {
+      err = E_BAD_CODE;
+      break;
+    }
     int r = e.rs >> 4, s = e.rs & 15;
     if (!s) {
-      *bp += e.codelen;
+      rd.used += e.codelen;
       if (r != 15) break; /* end of block */
       k += 15;
-      if (k > 63) return E_OVERRUN;
+      if (k > 63) {
+        err = E_OVERRUN;
+        break;
+      }
       continue;
     }
     k += r;
-    if (k > 63) return E_OVERRUN;
-    if (s > 10) return E_RANGE; /* 8-bit AC coefficients have at most 10 bits */
-    int32_t v = value(&e, cx->buf, bp, s) * q[k];
-    if (v > COEF_LIMIT || v < -COEF_LIMIT) return E_RANGE;
+    if (k > 63 || s > 10) { /* 8-bit AC coefficients have at most 10 bits */
+      err = k > 63 ? E_OVERRUN : E_RANGE;
+      break;
+    }
+    int32_t v = reader_value(&rd, &e, s) * q[k];
+    if (v > COEF_LIMIT || v < -COEF_LIMIT) {
+      err = E_RANGE;
+      break;
+    }
     bound += fabsf((float)v) * weight[ZIGZAG[k]];
     total += fabsf((float)v);
     pos[nz] = ZIGZAG[k], val[nz++] = v;
   }
-  if (*bp > cx->limit) return E_SHORT;
+  *bp = reader_bp(&rd);
+  if (err) return err;
+  if (*bp > limit) return E_SHORT;
   o->ac_bound = bound, o->ac_total = total, o->nz = nz;
   return OK;
 }
@@ -378,38 +444,115 @@ static void decode_from(Track *t, size_t bp, int j, int phase2) {
   }
 }
 
-/* Threads meet once, between the phases. */
-typedef struct {
-  pthread_mutex_t lock;
-  pthread_cond_t cond;
-  int arrived, go, abandon;
-} Meeting;
-
-typedef struct {
-  Track *track;
-  Meeting *meet;
-} Job;
-
-static void run_track(Track *t, Meeting *mt, int count_in) {
-  decode_from(t, t->start, 0, 0);
-  pthread_mutex_lock(&mt->lock);
-  mt->arrived += count_in;
-  pthread_cond_broadcast(&mt->cond);
-  while (!mt->go) pthread_cond_wait(&mt->cond, &mt->lock);
-  int abandon = mt->abandon;
-  pthread_mutex_unlock(&mt->lock);
-  if (abandon || !t->next || t->failed) return;
+/* Phase 2 of a track: on from where its phase 1 ended, until it merges into the next track. */
+static void track_phase2(Track *t) {
+  if (!t->next || t->failed) return;
   size_t n = t->one.n;
   if (n && t->one.rec[n - 1].error) return; /* the walk cannot pass this track's last record */
-  size_t bp = n ? t->one.rec[n - 1].end : t->start;
-  int j = n ? (t->one.rec[n - 1].j + 1) % t->cx->per_mcu : 0;
-  decode_from(t, bp, j, 1);
+  decode_from(t, n ? t->one.rec[n - 1].end : t->start, n ? (t->one.rec[n - 1].j + 1) % t->cx->per_mcu : 0, 1);
 }
 
-static void *track_thread(void *arg) {
-  Job *job = arg;
-  run_track(job->track, job->meet, 1);
+/* ---- a process-wide pool of worker threads ------------------------------------------------------
+ * Started on first use and kept (starting a thread per check cost about 0.1 ms each on the GPU
+ * machine, as much as a 1024^2 JPEG's share of work). A job never waits for another, and a caller
+ * waiting for its jobs runs queued jobs itself, so no set of checks can hold every thread waiting. */
+
+typedef struct Job {
+  Track *track;
+  int phase;
+  int *remaining; /* the caller's count of unfinished jobs, under pool_lock */
+  struct Job *next;
+} Job;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a job was queued */
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* some caller's jobs all finished */
+static Job *queue_head, *queue_tail;
+static int workers;
+
+static void run_job(Job *job) { /* called without pool_lock */
+  if (job->phase == 1)
+    decode_from(job->track, job->track->start, 0, 0);
+  else
+    track_phase2(job->track);
+  pthread_mutex_lock(&pool_lock);
+  if (--*job->remaining == 0) pthread_cond_broadcast(&pool_done);
+  pthread_mutex_unlock(&pool_lock);
+}
+
+static Job *pop_job(void) { /* under pool_lock */
+  Job *job = queue_head;
+  if (job) {
+    queue_head = job->next;
+    if (!queue_head) queue_tail = NULL;
+  }
+  return job;
+}
+
+static void *worker(void *unused) {
+  (void)unused;
+  pthread_mutex_lock(&pool_lock);
+  for (;;) {
+    Job *job = pop_job();
+    if (!job) {
+      pthread_cond_wait(&pool_work, &pool_lock);
+      continue;
+    }
+    pthread_mutex_unlock(&pool_lock);
+    run_job(job);
+    pthread_mutex_lock(&pool_lock);
+  }
   return NULL;
+}
+
+/* Workers up to `wanted` (under pool_lock); how many there are. */
+static int grow_pool(int wanted) {
+  while (workers < wanted) {
+    pthread_t id;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int failed = pthread_create(&id, &attr, worker, NULL);
+    pthread_attr_destroy(&attr);
+    if (failed) break;
+    workers++;
+  }
+  return workers;
+}
+
+/* Queues one job per track of tr[first..last) for `phase`, runs `mine` here, and returns once all
+ * are done (running queued jobs meanwhile). */
+static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Track *mine) {
+  int remaining = last - first;
+  pthread_mutex_lock(&pool_lock);
+  for (int t = first; t < last; t++) {
+    jobs[t] = (Job){&tr[t], phase, &remaining, NULL};
+    if (queue_tail)
+      queue_tail->next = &jobs[t];
+    else
+      queue_head = &jobs[t];
+    queue_tail = &jobs[t];
+  }
+  pthread_cond_broadcast(&pool_work);
+  pthread_mutex_unlock(&pool_lock);
+  if (mine) {
+    if (phase == 1)
+      decode_from(mine, mine->start, 0, 0);
+    else
+      track_phase2(mine);
+  }
+  pthread_mutex_lock(&pool_lock);
+  while (remaining > 0) {
+    Job *job = pop_job();
+    if (job) {
+      pthread_mutex_unlock(&pool_lock);
+      run_job(job);
+      pthread_mutex_lock(&pool_lock);
+    } else {
+      pthread_cond_wait(&pool_done, &pool_lock);
+    }
+  }
+  pthread_mutex_unlock(&pool_lock);
 }
 
 /* Verdicts the walk gave, and times the threads could not be used: for the tests. */
@@ -422,9 +565,12 @@ long kimi_scan_fallbacks(void) { return __atomic_load_n(&fallbacks, __ATOMIC_REL
 static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end_bp) {
   Track tr[MAX_THREADS];
   Job jobs[MAX_THREADS];
-  pthread_t id[MAX_THREADS];
-  Meeting mt = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
   memset(tr, 0, sizeof tr);
+  int verdict = -1;
+  pthread_mutex_lock(&pool_lock);
+  int have = grow_pool(threads - 1);
+  pthread_mutex_unlock(&pool_lock);
+  if (have == 0) goto done; /* no thread could be started: the one-thread check decides */
   size_t bytes = cx->limit / 8;
   for (int t = 0; t < threads; t++) {
     tr[t].cx = cx;
@@ -432,28 +578,11 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
     tr[t].stop = t + 1 < threads ? (bytes * (t + 1) / threads) * 8 : cx->limit + 1;
     tr[t].speculative = t > 0;
     tr[t].next = t + 1 < threads ? &tr[t + 1] : NULL;
-    jobs[t].track = &tr[t], jobs[t].meet = &mt;
   }
-  int verdict = -1, started = 1;
-  for (; started < threads; started++)
-    if (pthread_create(&id[started], NULL, track_thread, &jobs[started])) break;
-  /* Track 0 here; then, once every started track has finished phase 1, all go on to phase 2 (or
-   * stop, if a thread could not be started: the one-thread check decides). */
-  pthread_mutex_lock(&mt.lock);
-  mt.abandon = started < threads;
-  pthread_mutex_unlock(&mt.lock);
-  decode_from(&tr[0], 0, 0, 0);
-  pthread_mutex_lock(&mt.lock);
-  while (mt.arrived < started - 1) pthread_cond_wait(&mt.cond, &mt.lock);
-  mt.go = 1;
-  pthread_cond_broadcast(&mt.cond);
-  pthread_mutex_unlock(&mt.lock);
-  if (!mt.abandon && !tr[0].failed && tr[0].next && !(tr[0].one.n && tr[0].one.rec[tr[0].one.n - 1].error)) {
-    size_t n = tr[0].one.n;
-    decode_from(&tr[0], n ? tr[0].one.rec[n - 1].end : 0, n ? (tr[0].one.rec[n - 1].j + 1) % cx->per_mcu : 0, 1);
-  }
-  for (int t = 1; t < started; t++) pthread_join(id[t], NULL);
-  if (mt.abandon) goto done;
+  /* Track 0 here, the others on the pool; phase 2 once every track has finished phase 1 (a track
+   * searches the next one's phase-1 records). The last track has no phase 2. */
+  run_phase(tr, 1, threads, 1, jobs, &tr[0]);
+  run_phase(tr, 1, threads - 1, 2, jobs, &tr[0]);
   for (int t = 0; t < threads; t++)
     if (tr[t].failed) goto done;
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("scan_check.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
-# Threads one large scan is checked on (scan_check.c splits a scan of at least 32 KB per thread).
+# Threads one large scan is checked on (scan_check.c gives each at least 32 KB of scan; its pool of
+# threads is started on first use and kept).
 THREADS = max(1, min(8, os.cpu_count() or 1))
 
 # The C function's answers (0: the GPU route may take the image).

@@ -128,13 +128,13 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
 
 
 def test_a_large_scan_gets_the_same_verdict_on_several_threads():
-    """A scan of at least 64 KB per thread is split among threads that decode speculatively from their
+    """A scan of at least 32 KB per thread is split among threads that decode speculatively from their
     chunk's start and merge where they meet the true path: the verdict must be the one-thread one,
     on well-formed files and on damaged ones (damage near a chunk boundary included)."""
     base = encode(photo_like(1600, 1200, seed=11), "JPEG", quality=90)
     gray = encode(photo_like(1600, 1200, seed=12), "JPEG", quality=95)
     gray = _save(Image.open(io.BytesIO(gray)).convert("L"), quality=95)
-    assert len(base) > 8 * 65536 and len(gray) > 4 * 65536  # room for 8 and 4 threads
+    assert len(base) > 8 * 32768 and len(gray) > 8 * 32768  # room for 8 threads
     files = [("4:2:0", base), ("gray", gray)] + damaged(base, 5, 45) + damaged(gray, 6, 15)
     start = scan_start(base)
     for t in (2, 4, 8):  # a stretch dropped right at each chunk boundary (of 2, 4 and 8 threads)
