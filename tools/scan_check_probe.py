@@ -28,7 +28,7 @@ _TIMED = [  # (anchor in scan_check.c, text put after it)
                              "clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6; }\n"),
     ("  int verdict = -1;\n", "  double t0 = now_ms(), t2 = 0;\n"),
     ("  run_phase(tr, 1, threads - 1, 2, jobs, &tr[0]);\n", "  t2 = now_ms();\n"),
-    ("done:\n", "  fprintf(stderr, \"threads %d: phases %.2f ms, walk %.2f ms\\n\", threads, t2 - t0, now_ms() - t2);\n"),
+    ("done:\n", "  if (t2 > 0) fprintf(stderr, \"threads %d: phases %.2f ms, walk %.2f ms\\n\", threads, t2 - t0, now_ms() - t2);\n"),
 ]
 
 

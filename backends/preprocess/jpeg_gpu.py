@@ -155,13 +155,22 @@ class GpuJpegDecoder:
         no host sync), None for those it refuses (decode them with Pillow); and the pending scan checks
         of the decoded ones (settle() waits for them: until then a decoded image is provisional).
         `images` are the opened handles: their header sizes must agree with nvJPEG's. Refusals are
-        counted in `stats` on return, decoded images by settle(): when this raises, the caller decodes
-        the whole batch with Pillow and counts it so.
+        counted in `stats` on return, decoded images by the caller through count() once settled: when
+        this raises, the caller decodes the whole batch with Pillow and counts it so (the checks are
+        then cancelled).
 
         The scans are checked on the host threads (scan_check.py) while this thread reads the headers
         and launches the decode, and while the caller goes on with the request."""
         threads = host_threads.pool()
         verdicts = [threads.submit(scan_check.check, blob) for blob in blobs]
+        try:
+            return self._decode_checked(blobs, images, verdicts)
+        except BaseException:
+            for verdict in verdicts:
+                verdict.cancel()
+            raise
+
+    def _decode_checked(self, blobs, images, verdicts) -> tuple[list[torch.Tensor | None], dict]:
         counts: Counter = Counter()
         infos: list[JpegInfo | None] = []
         for k, (blob, img) in enumerate(zip(blobs, images)):
@@ -193,13 +202,24 @@ class GpuJpegDecoder:
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
         self.stats.update(counts)
+        for k, info in enumerate(infos):
+            if info is None:
+                verdicts[k].cancel()  # Pillow decodes it whatever its check says
         return out, {k: verdicts[k] for k in todo}
 
     @staticmethod
     def settle(pending: dict) -> dict:
         """Waits for the scan checks of decode_async's images ({key: future}): {key: None where the GPU's
-        answer stands, else the reason the image must be decoded by Pillow}."""
-        return {key: verdict.result() for key, verdict in pending.items()}
+        answer stands, else the reason the image must be decoded by Pillow}. A check that raised sends its
+        image to Pillow too."""
+        verdicts = {}
+        for key, verdict in pending.items():
+            try:
+                verdicts[key] = verdict.result()
+            except Exception:  # noqa: BLE001 - never keep the GPU's answer unchecked
+                log.exception("the scan check of an image raised; Pillow decodes it")
+                verdicts[key] = "scan_check_error"
+        return verdicts
 
     def count(self, verdicts: dict) -> None:
         """Counts settled images: on the GPU, or on Pillow by the scan check's reason."""

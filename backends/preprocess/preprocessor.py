@@ -204,17 +204,27 @@ class Preprocessor:
         images = self.open(blobs)
         plans = self.plan(images, media_frames)
         forced: dict[int, str] = {}
-        while True:  # at most twice: a file's check gives the same answer every time
+        while True:  # twice at most: a file's check gives the same answer every time
             pending: dict = {}
-            result = self._compute(blobs, images, plans, cancelled, pending, forced)
+            counted = Counter(self.decode_stats)  # a pass done again is counted once
+            try:
+                result = self._compute(blobs, images, plans, cancelled, pending, forced)
+            except BaseException:
+                for verdict in pending.values():  # the request failed: its checks are not wanted
+                    verdict.cancel()
+                raise
             verdicts = self.jpeg.settle(pending) if pending else {}
             refused = {i: why for i, why in verdicts.items() if why is not None}
-            if verdicts:  # a refused image is counted now, the others when the pass that keeps them ends
-                self.jpeg.count(refused or verdicts)
             if not refused:
+                if verdicts:
+                    self.jpeg.count(verdicts)
                 return (*result, plans)
+            del result  # before the next pass allocates its own
             log.info("images %s go to Pillow after their scan checks (%s); preprocessing the request again",
                      sorted(refused), ", ".join(sorted(set(refused.values()))))
+            self.decode_stats.clear()
+            self.decode_stats.update(counted)
+            self.jpeg.count(refused)  # the next pass leaves them out of its routing and its counts
             forced.update(refused)
 
     def _compute(self, blobs, images, plans, cancelled, pending: dict, forced: dict) -> tuple[torch.Tensor, np.ndarray]:

@@ -9,7 +9,8 @@
  * both decoders see the same coefficients and clamp the same way. Anything unusual is refused
  * (a nonzero reason): the image then goes to Pillow, which costs time and never a pixel.
  *
- * Built once per process by scan_check.py with the host's C compiler; no dependency beyond libc/libm.
+ * Built by scan_check.py with the host's C compiler into a cache folder, loaded once per process; no
+ * dependency beyond libc, libm and pthreads.
  */
 #include <math.h>
 #include <pthread.h>
@@ -118,6 +119,9 @@ static int build_huffman(Huffman *h, int dc) {
   int k = 0;
   memset(h->fast, 0, sizeof h->fast);
   for (int l = 1; l <= 16; l++) {
+    /* libjpeg-turbo refuses a table whose codes of a length fill its code space (no code may be all
+     * ones); checked before the codes are laid out, so that the fast table is never overrun. */
+    if (code + h->counts[l] >= (1 << l)) return E_STRUCTURE;
     h->offset[l] = k - code;
     for (int i = 0; i < h->counts[l]; i++, k++, code++) {
       if (l > LOOK) continue;
@@ -135,7 +139,6 @@ static int build_huffman(Huffman *h, int dc) {
       }
     }
     h->maxcode[l] = h->counts[l] ? code - 1 : -1;
-    if (code >= (1 << l)) return E_STRUCTURE; /* libjpeg-turbo refuses a table that fills its code space */
     code <<= 1;
   }
   return OK;
@@ -191,19 +194,6 @@ static inline Entry lookup(const Huffman *h, uint64_t w) {
     }
   }
   return e;
-}
-
-/* The value of entry `e` at bit position *bp (the code's start), moving *bp past code and extra bits. */
-static inline int32_t value(const Entry *e, const uint8_t *buf, size_t *bp, int s) {
-  if (e->total) {
-    *bp += e->total;
-    return e->value;
-  }
-  *bp += e->codelen;
-  if (!s) return 0;
-  int32_t v = extend((uint32_t)(bits_at(buf, *bp) >> (64 - s)), s);
-  *bp += s;
-  return v;
 }
 
 typedef struct {
@@ -315,7 +305,11 @@ static inline int decode_block(const Ctx *cx, int j, size_t *bp, Block *o, int32
     int r = e.rs >> 4, s = e.rs & 15;
     if (!s) {
       rd.used += e.codelen;
-      if (r != 15) break; /* end of block */
+      if (r == 0) break; /* end of block */
+      if (r != 15) { /* run/size R/0 for R in 1..14 is undefined (libjpeg-turbo ends the block) */
+        err = E_BAD_CODE;
+        break;
+      }
       k += 15;
       if (k > 63) {
         err = E_OVERRUN;
@@ -505,6 +499,20 @@ static void *worker(void *unused) {
   return NULL;
 }
 
+/* A child forked while the pool exists has none of its threads, and perhaps a lock held by a thread
+ * that is not there: it starts from an empty pool. */
+static void pool_prefork(void) { pthread_mutex_lock(&pool_lock); }
+static void pool_postfork_parent(void) { pthread_mutex_unlock(&pool_lock); }
+static void pool_postfork_child(void) {
+  pthread_mutex_init(&pool_lock, NULL);
+  pthread_cond_init(&pool_work, NULL);
+  pthread_cond_init(&pool_done, NULL);
+  queue_head = queue_tail = NULL;
+  workers = 0;
+}
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(pool_prefork, pool_postfork_parent, pool_postfork_child); }
+
 /* Workers up to `wanted` (under pool_lock); how many there are. */
 static int grow_pool(int wanted) {
   while (workers < wanted) {
@@ -567,6 +575,7 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
   Job jobs[MAX_THREADS];
   memset(tr, 0, sizeof tr);
   int verdict = -1;
+  pthread_once(&fork_once, register_fork);
   pthread_mutex_lock(&pool_lock);
   int have = grow_pool(threads - 1);
   pthread_mutex_unlock(&pool_lock);
@@ -644,6 +653,7 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
   size_t bp = 0;
   segment(d, n, p, g);
   cx.buf = g->buf, cx.limit = g->len * 8;
+  if (threads < 1) threads = 1;
   if ((size_t)threads > g->len / PARALLEL_MIN_BYTES) threads = (int)(g->len / PARALLEL_MIN_BYTES);
   if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (!restart && threads > 1) {
@@ -726,7 +736,8 @@ int kimi_scan_check(const uint8_t *d, size_t n, int threads) {
       height = (size_t)s[1] << 8 | s[2];
       width = (size_t)s[3] << 8 | s[4];
       ncomp = s[5];
-      if (!width || !height || (ncomp != 1 && ncomp != 3)) return E_UNSUPPORTED;
+      if (!width || !height || width > 65500 || height > 65500 || (ncomp != 1 && ncomp != 3))
+        return E_UNSUPPORTED; /* libjpeg-turbo refuses sides above JPEG_MAX_DIMENSION */
       if (len != 8 + 3 * (size_t)ncomp) return E_STRUCTURE;
       for (int c = 0; c < ncomp; c++) {
         comp[c].id = s[6 + 3 * c];

@@ -1,9 +1,10 @@
 """The strict scan check that a JPEG passes before the GPU decodes it (scan_check.c says what it refuses
 and why: docs/jpeg_decoding.md#damaged-scans).
 
-The C file is compiled once per machine with the host's C compiler (`CC`, else `cc`) into a cache folder
-(`KIMI_BUILD_CACHE`, else a per-user folder under the system's temporary folder), named by a hash of
-its source, and loaded with ctypes. ctypes drops the GIL during the call, so several images can be
+The C file is compiled with the host's C compiler (`CC`, else `cc`) into a cache folder
+(`KIMI_BUILD_CACHE`, else a per-user folder under the system's temporary folder, which must be ours
+alone), named by a hash of its source, the compiler, the flags and the machine; each process loads it
+once with ctypes. ctypes drops the GIL during the call, so several images can be
 checked on several threads. Without a compiler `ScanCheckUnavailable` is raised: the GPU route then
 stays off and Pillow decodes every JPEG.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -20,7 +23,9 @@ import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("scan_check.c")
-_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
+# -ffp-contract=off: the one-thread check and the walk compute the same float bounds in two places, and
+# must round them alike.
+_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # Threads one large scan is checked on (scan_check.c gives each at least 32 KB of scan; its pool of
 # threads is started on first use and kept).
 THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -51,23 +56,42 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path(tempfile.gettempdir()) / f"kimi-vision-{os.getuid()}"
 
 
+def _private(folder: Path) -> Path:
+    """The default folder, made ours alone: under a shared temporary folder another user could have
+    created it first and put a library of theirs in it, which we would then load."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ScanCheckUnavailable(f"{folder} belongs to another user or others may write to it; "
+                                   "set KIMI_BUILD_CACHE to a folder of ours")
+    return folder
+
+
 def _build() -> Path:
     source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(source + " ".join((compiler,) + _FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"scan_check-{tag}.so"
+    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    tag = hashlib.sha256(source + " ".join([*compiler, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    if "KIMI_BUILD_CACHE" not in os.environ:
+        folder = _private(folder)
+    target = folder / f"scan_check-{tag}.so"
     if target.exists():
         return target
-    if shutil.which(compiler) is None:
-        raise ScanCheckUnavailable(f"no C compiler ({compiler!r}) to build {SOURCE.name}")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if shutil.which(compiler[0]) is None:
+        raise ScanCheckUnavailable(f"no C compiler ({compiler[0]!r}) to build {SOURCE.name}")
+    folder.mkdir(parents=True, exist_ok=True)
     # Built under a private name, then renamed: model instances starting together never load half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True)
+        try:
+            done = subprocess.run([*compiler, *_FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise ScanCheckUnavailable(f"{compiler[0]} took more than 300 s to build {SOURCE.name}") from None
         if done.returncode != 0:
-            raise ScanCheckUnavailable(f"{compiler} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+            raise ScanCheckUnavailable(f"{compiler[0]} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        os.chmod(partial, 0o755)  # mkstemp made it ours alone; other users of a shared cache load it too
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):

@@ -300,7 +300,8 @@ def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_
 def test_a_damaged_scan_goes_to_pillow_whatever_the_gpu_made_of_it(monkeypatch):
     """The stand-in hardware decoder answers flat grey for every file. A JPEG whose scan the check
     refuses comes back from Pillow (equal to the CPU path, counted by the check's reason); a well-formed
-    one keeps the GPU's answer (grey: the stand-in is really used)."""
+    one keeps the GPU's answer (grey: the stand-in is really used). The request is preprocessed twice,
+    and every image counted once (a PNG among them)."""
     from backends.config import MediaConfig
     from backends.preprocess.preprocessor import Preprocessor
     from clients.samples import encode, photo_like
@@ -312,11 +313,12 @@ def test_a_damaged_scan_goes_to_pillow_whatever_the_gpu_made_of_it(monkeypatch):
     dec.decoder, dec.stats = _WrongDecoder(None), Counter()
     pre = Preprocessor(MediaConfig())
     pre.jpeg = dec
-    got, _, _ = pre([bad, good])
-    want, _, _ = Preprocessor(MediaConfig())([bad, good])
-    half = got.shape[0] // 2
-    assert torch.equal(got[:half], want[:half]) and not torch.equal(got[half:], want[half:])
-    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("gpu", ""): 1})
+    png = encode(photo_like(40, 30, seed=2), "PNG")
+    got, _, _ = pre([bad, png, good])
+    want, _, _ = Preprocessor(MediaConfig())([bad, png, good])
+    third = got.shape[0] // 3
+    assert torch.equal(got[:2 * third], want[:2 * third]) and not torch.equal(got[2 * third:], want[2 * third:])
+    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("pillow", "not_jpeg"): 1, ("gpu", ""): 1})
 
 
 def test_without_the_scan_check_no_jpeg_goes_to_the_gpu(monkeypatch):

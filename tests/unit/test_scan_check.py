@@ -71,9 +71,9 @@ def test_damage_is_refused_with_its_reason(photo_jpeg):
         "scan_short": photo_jpeg[:start + (end - start) // 2] + b"\xff\xd9",
         # bytes left over between the last block and the end marker
         "scan_extra_bytes": photo_jpeg[:end] + b"\x12\x34" + photo_jpeg[end:],
-        # nine one-bits open the scan: not a code of the standard luminance DC table
+        # sixteen one-bits open the scan: no code of the standard luminance DC table starts with nine
         "scan_bad_code": photo_jpeg[:start] + b"\xff\x00\xff\x00" + photo_jpeg[start:],
-        # a second scan after the first (the GPU route takes one interleaved scan)
+        # a (hollow) DHT segment after the scan, where only the end marker may come
         "scan_structure": photo_jpeg[:end] + b"\xff\xc4\x00\x02" + photo_jpeg[end:],
         # trailing bytes after the end marker
         "scan_structure ": photo_jpeg + b"\x00",
@@ -94,7 +94,8 @@ def test_whatever_pillow_refuses_is_refused():
     """Random damage inside the scan. Where Pillow (libjpeg-turbo) raises, the check must refuse, or the
     GPU would answer pixels where the reference answers an error. Damage that leaves a well-formed scan
     (a stretch inside one block: both decoders read the same coefficients) may pass; whether the GPU
-    then equals Pillow is tests/gpu/test_jpeg_decode.py's corrupt-scan test, on these same files."""
+    then equals Pillow is tests/gpu/test_jpeg_decode.py's damaged-scan test, on files damaged the same
+    ways (oracles/jpeg_corpus.damaged)."""
     refused = pillow_raised = 0
     for seed, quality in enumerate((40, 65, 80, 95)):
         base = encode(photo_like(120, 80, seed=seed), "JPEG", quality=quality, subsampling=seed % 3)
@@ -152,3 +153,46 @@ def test_a_large_scan_gets_the_same_verdict_on_several_threads():
     assert sum(v is not None for v in verdicts.values()) > 20  # damage was caught on many threads too
     now_walks, now_fallbacks = scan_check.parallel_counts()
     assert now_walks - walks > 2 * len(files) and now_fallbacks == fallbacks  # the threads answered
+
+
+def test_the_default_cache_must_be_ours_alone(monkeypatch, tmp_path):
+    """Under a shared temporary folder someone else could have made the cache folder first and left a
+    library in it: a folder others may write to is refused, and what we build is readable by others
+    (a cache shared on purpose, KIMI_BUILD_CACHE, serves other users)."""
+    import os
+    import tempfile
+
+    monkeypatch.delenv("KIMI_BUILD_CACHE", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = tmp_path / f"kimi-vision-{os.getuid()}"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(scan_check.ScanCheckUnavailable, match="others may write"):
+        scan_check._build()
+    folder.chmod(0o700)
+    built = scan_check._build()
+    assert built.parent == folder and built.stat().st_mode & 0o777 == 0o755
+
+
+def _before_scan(blob: bytes, segment: bytes) -> bytes:
+    sos = blob.index(b"\xff\xda")
+    return blob[:sos] + segment + blob[sos:]
+
+
+@pytest.mark.parametrize("count", [3, 255])
+def test_an_overfull_huffman_table_is_refused(photo_jpeg, count):
+    """A DC table with more 1-bit codes than there are (libjpeg-turbo refuses it): refused before its
+    codes are laid out in the lookup table, which they would overrun."""
+    symbols = bytes(k % 12 for k in range(count))
+    body = bytes([0x00]) + bytes([count]) + bytes(15) + symbols  # class 0 (DC), table 0
+    dht = b"\xff\xc4" + (2 + len(body)).to_bytes(2, "big") + body
+    assert scan_check.check(_before_scan(photo_jpeg, dht)) == "scan_structure"
+
+
+def test_sides_above_libjpegs_limit_are_refused(photo_jpeg):
+    sof = photo_jpeg.index(b"\xff\xc0")
+    wide = bytearray(photo_jpeg)
+    wide[sof + 7:sof + 9] = (65535).to_bytes(2, "big")  # SOF0: length, precision, height, then width
+    with pytest.raises(Exception):
+        Image.open(io.BytesIO(bytes(wide))).convert("RGB")
+    assert scan_check.check(bytes(wide)) == "scan_unsupported"
