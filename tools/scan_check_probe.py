@@ -1,10 +1,13 @@
 """How long the JPEG scan check takes, per thread count, on the stage table's JPEGs (CPU only).
 
     python tools/scan_check_probe.py [--phases]
+    python tools/scan_check_probe.py --agreement 12
 
 Prints, per case and per thread count, the best of 5 checks (ms), and Pillow's decode of the same
 files on one core for scale. --phases builds a copy of scan_check.c that also prints, per several-thread
-check, the time of its two decoding phases together and of the walk (stderr)."""
+check, the time of its two decoding phases together and of the walk (stderr). --agreement N checks N
+large photos (1-2.8 MP, four qualities, three samplings, some gray) and 60 damaged copies of each on
+1 and on 2, 3, 5, 8 and 16 threads, and counts verdicts that differ (there must be none)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.preprocess import scan_check  # noqa: E402
 from bench.cases import case_jpegs  # noqa: E402
+from clients.samples import photo_like  # noqa: E402
+from oracles.jpeg_corpus import damaged  # noqa: E402
 
 _TIMED = [  # (anchor in scan_check.c, text put after it)
     ("#include <math.h>\n", "#include <stdio.h>\n#include <time.h>\nstatic double now_ms(void) { struct timespec ts; "
@@ -46,11 +51,39 @@ def timed_library(folder: Path) -> ctypes.CDLL:
     return lib
 
 
+def agreement(seeds: int) -> int:
+    """Files whose verdict on several threads differs from the one-thread verdict."""
+    files = refused = differ = 0
+    walks, fallbacks = scan_check.parallel_counts()
+    for seed in range(seeds):
+        w, h = [(1600, 1200), (2000, 900), (1024, 1024), (1400, 1400)][seed % 4]
+        img = Image.fromarray(photo_like(w, h, seed=seed))
+        if seed % 5 == 4:
+            img = img.convert("L")
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=[60, 80, 90, 97][seed % 4], subsampling=seed % 3)
+        for label, blob in [("as written", buf.getvalue())] + damaged(buf.getvalue(), 100 + seed, 60):
+            one = scan_check.check(blob, threads=1)
+            for threads in (2, 3, 5, 8, 16):
+                if scan_check.check(blob, threads=threads) != one:
+                    differ += 1
+                    print(f"differs: photo {seed}, {label}, {threads} threads")
+            files += 1
+            refused += one is not None
+    now_walks, now_fallbacks = scan_check.parallel_counts()
+    print(f"{files} files ({refused} refused), each on 1 and on 2, 3, 5, 8, 16 threads: {differ} verdicts differ; "
+          f"{now_walks - walks} checks answered by the threads, {now_fallbacks - fallbacks} fell back to one")
+    return differ
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", action="store_true")
     ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--agreement", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
+    if args.agreement:
+        return 1 if agreement(args.agreement) else 0
     with tempfile.TemporaryDirectory() as tmp:
         check = scan_check.library().kimi_scan_check
         if args.phases:
