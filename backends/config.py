@@ -14,10 +14,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import contract
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off setting from the environment, read the same way everywhere: 1, true, yes or on; 0,
+    false, no or off (any case); unset or empty gives `default`. Anything else raises, naming it, rather
+    than being taken as one or the other."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE)}")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from backends.config import env_flag
 from backends.deploy import cpu_latency, mps
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
@@ -431,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "states (more idle power; README: Scale out). Off by default; needs write access to "
                          "the device")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
-                    default=os.environ.get("KIMI_MPS", "0").strip().lower() in ("1", "true", "yes", "on"),
+                    default=env_flag("KIMI_MPS", False),
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
                          "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
                          "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from backends.config import env_flag
 from backends.kernels import jpeg_color
 from backends.preprocess import host_threads, scan_check
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
@@ -94,9 +94,9 @@ class GpuJpegDecoder:
         self.decoder: HardwareJpegDecoder | None = None
         self.off_reason = ""
         if enabled is None:
-            enabled = os.environ.get("KIMI_GPU_JPEG", "1") != "0"
+            enabled = env_flag("KIMI_GPU_JPEG", True)
         if not enabled:
-            self.off_reason = "turned off (KIMI_GPU_JPEG=0)"
+            self.off_reason = "turned off (KIMI_GPU_JPEG, or gpu_jpeg=False)"
             return
         try:
             scan_check.library()  # built here, once: without it no JPEG may go to the GPU

@@ -18,6 +18,8 @@ import pstats
 import threading
 from pathlib import Path
 
+from backends.config import env_flag
+
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +33,7 @@ class ExecuteProfiler:
         self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
         # KIMI_PROFILE_TORCH=0: cProfile only. torch's profiler (CUPTI) makes CUDA API calls slower, so
         # host times under it are inflated; cProfile alone costs ~1 us per Python call.
-        self.torch = os.environ.get("KIMI_PROFILE_TORCH", "1") != "0"
+        self.torch = env_flag("KIMI_PROFILE_TORCH", True)
         self.model, self.seen, self.prof, self.py, self.opened, self.in_window = model, 0, None, None, 0, 0
 
     def __call__(self):

@@ -1,0 +1,37 @@
+"""On/off settings from the environment read one way (backends.config.env_flag): KIMI_GPU_JPEG=false
+used to leave GPU decoding on (only "0" turned it off), while KIMI_MPS took 1/true/yes/on."""
+
+import pytest
+import torch
+from PIL import Image
+
+from backends.config import env_flag
+from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+
+
+@pytest.mark.parametrize("value,want", [("1", True), ("true", True), ("Yes", True), (" on ", True),
+                                        ("0", False), ("false", False), ("NO", False), ("off", False)])
+def test_words_for_on_and_off(monkeypatch, value, want):
+    monkeypatch.setenv("KIMI_SOME_FLAG", value)
+    assert env_flag("KIMI_SOME_FLAG", not want) is want
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_unset_or_empty_is_the_default(monkeypatch, default):
+    monkeypatch.delenv("KIMI_SOME_FLAG", raising=False)
+    assert env_flag("KIMI_SOME_FLAG", default) is default
+    monkeypatch.setenv("KIMI_SOME_FLAG", "  ")
+    assert env_flag("KIMI_SOME_FLAG", default) is default
+
+
+def test_anything_else_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("KIMI_SOME_FLAG", "disabled")
+    with pytest.raises(ValueError, match="KIMI_SOME_FLAG='disabled'"):
+        env_flag("KIMI_SOME_FLAG", True)
+
+
+def test_kimi_gpu_jpeg_false_turns_gpu_decoding_off(monkeypatch):
+    monkeypatch.setenv("KIMI_GPU_JPEG", "false")
+    decoder = GpuJpegDecoder(torch.device("cpu"))
+    assert not decoder.enabled and decoder.off_reason == "turned off (KIMI_GPU_JPEG, or gpu_jpeg=False)"
+    assert decoder.reason(Image.new("RGB", (4, 4))) == "not_jpeg"
