@@ -178,6 +178,7 @@ def main(argv=None) -> int:
                          "alone is then timed without MPS")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
+    plan = preflight(args)  # before any daemon starts: a run refused on its arguments leaves nothing behind
     daemon = None
     if args.mps:
         if args.url:
@@ -189,24 +190,33 @@ def main(argv=None) -> int:
         except mps.MpsUnavailable as exc:
             raise SystemExit(f"--mps: {exc}") from None
     try:
-        return measure(args, argv, daemon)  # stops the daemon itself once the server is gone
+        return measure(args, argv, plan, daemon)  # stops the daemon itself once the server is gone
     finally:
         if daemon is not None:
             daemon.stop()  # a no-op after measure's own stop; the stop on an error
 
 
-def measure(args, argv, daemon: mps.Daemon | None = None) -> int:
-    device = resolve_device(args.device)
-    ensembles = parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles")
+def preflight(args) -> argparse.Namespace:
+    """The run's settings, read and checked: what can be refused without starting anything."""
     shm_modes = parse_list(args.shared_memory, SHM_MODES, "--shared-memory")
-    levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise SystemExit(f"--concurrency takes a comma-separated list of integers; got {args.concurrency!r}") from None
     if "cuda" in shm_modes and gpu_count() == 0:
         raise SystemExit("--shared-memory cuda needs a CUDA GPU on this host (perf_analyzer allocates the regions)")
     binary = args.perf_dir / "bin" / "perf_analyzer"
     if not binary.exists():
         raise SystemExit(f"{binary} not found: run `make perf` (it installs perf_analyzer) or pass --perf-dir")
+    return argparse.Namespace(device=resolve_device(args.device), shm_modes=shm_modes, levels=levels, binary=binary,
+                              ensembles=parse_list(args.ensembles, tuple(ENSEMBLES), "--ensembles"),
+                              images=request_images(args.images))
+
+
+def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = None) -> int:
+    device, ensembles, shm_modes, levels, binary, images = (plan.device, plan.ensembles, plan.shm_modes, plan.levels,
+                                                             plan.binary, plan.images)
     args.out.mkdir(parents=True, exist_ok=True)
-    images = request_images(args.images)
     # One request for every mode of the run, so that the modes compare like for like.
     with_frames = shm_modes != ["none"]
     data = write_input_data(args.out / "input_data.json", images, media_frames=with_frames)

@@ -41,3 +41,22 @@ def test_embedding_size_follows_the_checkpoint_config_and_the_device_dtype(tmp_p
     assert gpu["IMAGE_EMBEDS"] == 37 * 37 * text_hidden * 2  # 1369 x 7168 BF16 = 19.6 MB, as on the H200
     assert cpu["IMAGE_EMBEDS"] == 2 * gpu["IMAGE_EMBEDS"]
     assert max(gpu.values()) == gpu["IMAGE_EMBEDS"]
+
+
+@pytest.mark.parametrize("bad", [["--concurrency", "1,x"], ["--images", "2048"], ["--ensembles", "plain,fast"]])
+def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_path, bad):
+    """--mps starts a daemon; a run that its own arguments (or a missing perf_analyzer) refuse must stop
+    before that, not leave a daemon to clean up."""
+    from bench import perf
+
+    started = []
+    monkeypatch.setattr(perf.mps, "start", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(perf, "resolve_device", lambda device: "gpu")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "perf_analyzer").write_text("")
+    with pytest.raises(SystemExit):
+        perf.main(["--mps", "--perf-dir", str(tmp_path), "--shared-memory", "none", *bad])
+    assert started == []
+    with pytest.raises(SystemExit, match="not found"):  # no perf_analyzer
+        perf.main(["--mps", "--perf-dir", str(tmp_path / "nowhere"), "--shared-memory", "none"])
+    assert started == []
