@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
                     help="<header>=<value>: the launcher's --admin-key, which a server started with one asks of "
                          "shared-memory requests (default: KIMI_ADMIN_KEY)")
-    ap.add_argument("--output-capacity-mib", type=int, default=256,
-                    help="the IMAGE_EMBEDS region with --shm system/cuda, MiB (a request of the most patches "
-                         "at the real model's width needs 448 MiB in BF16, 896 MiB in FP32)")
+    ap.add_argument("--output-capacity-mib", type=int, default=None,
+                    help="the IMAGE_EMBEDS region with --shm system/cuda, MiB (default: sized to the request, "
+                         "from its token counts, which kimi_placeholder answers from the images' headers)")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     images = [p.read_bytes() for p in args.image]
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)
     client = KimiVisionClient(url, protocol=args.protocol, admin_key=args.admin_key)
     try:
-        result = client.infer(ids, images, media_frames=frames, shm=args.shm,
-                              output_capacity=args.output_capacity_mib << 20)
+        capacity = None if args.output_capacity_mib is None else args.output_capacity_mib << 20
+        result = client.infer(ids, images, media_frames=frames, shm=args.shm, output_capacity=capacity)
     except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
         print(f"request failed: {exc}", file=sys.stderr)
         return 1

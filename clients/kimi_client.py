@@ -67,6 +67,8 @@ def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:
     return np.array(list(images), dtype=np.object_).reshape(-1)
 
 
+_ELEMENT_BYTES = {"BF16": 2, "FP16": 2, "FP32": 4}
+
 # tritonserver answers an unregister that comes right after an infer that used the region with "it is
 # currently in use" about one time in ten (the response still holds it for a moment): retry, for this
 # long, and never leave a region registered silently (docs/triton_runtime.md#known-server-limitations).
@@ -85,6 +87,7 @@ class KimiVisionClient:
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.protocol, self.batched = protocol, batched
+        self._embeds_row: int | None = None  # bytes per IMAGE_EMBEDS row, from the model config once
         self.model = model or (BATCHED_MODEL if batched else MODEL)
         # Ids and counts alone go to kimi_placeholder (headers only) unless a model was named.
         self.header_model = None if model else (contract.PLACEHOLDER_BATCHED if batched else contract.PLACEHOLDER)
@@ -105,7 +108,7 @@ class KimiVisionClient:
         self.client.close()
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
-              shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
+              shm: str = "none", output_capacity: int | None = None, timeout_s: float | None = None,
               outputs: Sequence[str] = OUTPUTS) -> VisionResult:
         """One request through the ensemble (ids and counts alone: through kimi_placeholder).
 
@@ -114,8 +117,9 @@ class KimiVisionClient:
         outputs: the ensemble outputs to ask for (any non-empty subset of contract.OUTPUTS); the
         others come back as None and the server skips the steps only they need. Ids and counts alone
         are asked of kimi_placeholder, which reads only the images' headers.
-        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes (256 MiB: ~9k FP32 rows of the
-        real model's 7168; raise it for larger requests). timeout_s applies to gRPC (a deadline: the
+        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes, in bytes; None sizes it to the
+        request (embeds_bytes: one more request, to kimi_placeholder, which reads only the images'
+        headers). timeout_s applies to gRPC (a deadline: the
         server drops the request's remaining work); an HTTP client's timeouts are set on
         tritonclient.http.InferenceServerClient.
         """
@@ -123,6 +127,11 @@ class KimiVisionClient:
         wanted = _check_outputs(outputs)
         if shm == "none":
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted)
+        if output_capacity is None and shm in ("system", "cuda"):
+            output_capacity = 1
+            if contract.IMAGE_EMBEDS in wanted:
+                output_capacity = max(1, self.embeds_bytes(input_ids, images, media_frames=media_frames,
+                                                           timeout_s=timeout_s))
         if shm == "system":
             return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         if shm == "cuda":
@@ -138,6 +147,23 @@ class KimiVisionClient:
         is None (nothing is copied to the host)."""
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
         return self._infer_into(region, ids, blobs, frames, timeout_s, _check_outputs(outputs))
+
+    def embeds_bytes(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
+                     timeout_s: float | None = None) -> int:
+        """Bytes this request's IMAGE_EMBEDS will take: its token counts (asked of kimi_placeholder,
+        which reads only the images' headers) times the row width and element size the ensemble's
+        model config gives. What a shared-memory region for it needs; a request the server refuses
+        raises here already."""
+        counts = self.infer(input_ids, images, media_frames=media_frames, outputs=[contract.IMAGE_TOKEN_COUNTS],
+                            timeout_s=timeout_s).token_counts
+        if self._embeds_row is None:
+            config = self.client.get_model_config(self.model, as_json=True, **self._h()) if self.protocol == "grpc" \
+                else self.client.get_model_config(self.model, **self._h())
+            config = config.get("config", config)
+            (out,) = [o for o in config["output"] if o["name"] == contract.IMAGE_EMBEDS]
+            width = int(out["dims"][-1])
+            self._embeds_row = width * _ELEMENT_BYTES[out["data_type"].removeprefix("TYPE_")]
+        return int(np.sum(counts)) * self._embeds_row
 
     def _shape(self, array: np.ndarray) -> list[int]:
         return ([1] if self.batched else []) + list(array.shape)
@@ -172,7 +198,10 @@ class KimiVisionClient:
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
         if self.headers:
-            kwargs["headers"] = self.headers
+            # A copy: tritonclient.http writes a request's Inference-Header-Content-Length into the dict it
+            # is given (and sets none when every input is in shared memory): a stale length would cut
+            # the next request's JSON short.
+            kwargs["headers"] = dict(self.headers)
         return self.client.infer(self._model_for([o.name() for o in outputs]), inputs, outputs=outputs, **kwargs)
 
     def _model_for(self, wanted: Sequence[str]) -> str:
@@ -256,7 +285,7 @@ class KimiVisionClient:
         return self._result(r, [n for n in wanted if n != contract.IMAGE_EMBEDS], image_embeds=None, cuda_embeds=embeds)
 
     def _h(self) -> dict:
-        return {"headers": self.headers} if self.headers else {}
+        return {"headers": dict(self.headers)} if self.headers else {}  # a copy, as in _call
 
     def unregister(self, name: str, kind: str) -> None:
         """Unregister a shared-memory region, retrying while the server still holds it; raises if it

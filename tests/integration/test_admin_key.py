@@ -71,3 +71,18 @@ def test_rendered_repository_is_writable_by_its_owner_only(tmp_path):
     for path in [repo, *repo.rglob("*")]:
         mode = path.stat().st_mode
         assert not mode & (stat.S_IWGRP | stat.S_IWOTH), f"{path} is writable by others ({oct(mode)})"
+
+
+def test_an_http_client_with_the_key_sends_a_shared_memory_request_after_a_plain_one(locked_server):
+    """tritonclient.http writes the JSON header length of a request with binary data into the headers
+    dict it is handed, and sets none for a request whose inputs are all in shared memory. A client that
+    handed it its own dict sent the plain request's length with the shared-memory one, whose JSON the
+    server then cut short ("failed to parse the request JSON buffer")."""
+    admin = KimiVisionClient(locked_server.http_url, protocol="http", admin_key=KEY)
+    blobs = [encode(photo_like(64, 48, seed=1), "PNG")]
+    try:
+        plain = admin.infer(chat_prompt_ids(1), blobs)
+        via_shm = admin.infer(chat_prompt_ids(1), blobs, shm="system", output_capacity=8 << 20)
+        np.testing.assert_array_equal(via_shm.image_embeds, plain.image_embeds)
+    finally:
+        admin.close()
