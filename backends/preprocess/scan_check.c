@@ -360,11 +360,12 @@ static inline int block_ok(const Block *o, int32_t pred, int q0, int32_t *pos, i
  * again one byte later: if the walk reaches that record, the error is on the true path (decoding from
  * a merge point is the true decoding). A track that never merges simply decodes on to the end. */
 
-typedef struct {
-  size_t bp, end; /* the block's first bit and the bit after it */
-  Block b;
-  uint8_t j;     /* MCU position */
-  uint8_t error; /* 0, or the block's error: the track stops there */
+typedef struct { /* 20 bytes: a 12 MP scan has about 300k blocks, each recorded once */
+  uint32_t bp, end;         /* the block's first bit and the bit after it (scans under 512 MB) */
+  float ac_bound, ac_total; /* as in Block */
+  int16_t diff;             /* the DC difference (at most 11 bits) */
+  uint8_t j;                /* MCU position */
+  uint8_t error;            /* 0, or the block's error: the track stops there */
 } Rec;
 
 /* A track's records: phase 1's, then those phase 2 adds (a separate list, so that the track before,
@@ -417,10 +418,11 @@ static void decode_from(Track *t, size_t bp, int j, int phase2) {
     } else if (bp >= t->stop) {
       return;
     }
-    Rec r = {bp, 0, {0, 0, 0, 0}, (uint8_t)j, 0};
-    int err = decode_block(cx, j, &bp, &r.b, pos, val);
-    r.end = bp;
-    r.error = (uint8_t)err;
+    Block b = {0, 0, 0, 0};
+    Rec r = {(uint32_t)bp, 0, 0, 0, 0, (uint8_t)j, 0};
+    int err = decode_block(cx, j, &bp, &b, pos, val);
+    r.end = (uint32_t)bp, r.error = (uint8_t)err;
+    r.ac_bound = b.ac_bound, r.ac_total = b.ac_total, r.diff = (int16_t)b.diff;
     if (!push(out, &r)) {
       t->failed = 1;
       return;
@@ -614,9 +616,9 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
         goto done;
       }
       int c = cx->comp[j];
-      pred[c] += r->b.diff;
+      pred[c] += r->diff;
       float a = fabsf((float)pred[c] * cx->q[j][0]);
-      if (a > COEF_LIMIT || r->b.ac_bound + a * weight[0] > OUTPUT_LIMIT || (r->b.ac_total + a) * 0.5f > PASS1_LIMIT) {
+      if (a > COEF_LIMIT || r->ac_bound + a * weight[0] > OUTPUT_LIMIT || (r->ac_total + a) * 0.5f > PASS1_LIMIT) {
         /* block_ok as the one-thread check calls it, with the coefficients decoded once more */
         size_t again = r->bp;
         Block b;
@@ -656,7 +658,7 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
   if (threads < 1) threads = 1;
   if ((size_t)threads > g->len / PARALLEL_MIN_BYTES) threads = (int)(g->len / PARALLEL_MIN_BYTES);
   if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (!restart && threads > 1) {
+  if (!restart && threads > 1 && cx.limit < ((size_t)1 << 32) - 4096) { /* records hold 32-bit positions */
     int verdict = check_parallel(&cx, mcus * (size_t)cx.per_mcu, threads, &bp);
     if (verdict > 0) return verdict;
     if (verdict == OK) return end_interval(d, n, g, bp, 0xD9);
