@@ -11,6 +11,7 @@
 #   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
+#   scanprobe (the JPEG scan check per thread count, its phases, and threaded against one-thread verdicts),
 #   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS),
 #   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
@@ -70,7 +71,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md"
+SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -237,6 +238,9 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
         | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
+    scanprobe)  # the JPEG scan check on this host's cores: time per thread count and phases, threaded verdicts
+      { python3 tools/scan_check_probe.py --phases 2>&1; python3 tools/scan_check_probe.py --agreement 4 2>&1; } \
+        > "$out/scan_check_probe.md"; grep -v "^threads" "$out/scan_check_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
       > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -45 ;;

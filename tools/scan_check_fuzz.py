@@ -1,0 +1,104 @@
+"""Damaged and hostile JPEGs against the scan check built with AddressSanitizer and UBSan (CPU only).
+
+    python tools/scan_check_fuzz.py --seconds 120
+
+Builds backends/preprocess/scan_check.c with -fsanitize=address,undefined into a temporary folder, then
+runs itself again with the sanitizer runtimes preloaded (a Python process must load them first) and
+feeds the check, on 1, 4 and 8 threads: bytes changed anywhere (headers included), truncations,
+insertions, header bytes only, and random bytes after a start marker, built from small and large
+photos (4:4:4, 4:2:2, 4:2:0, gray, restart markers). A memory error or undefined behaviour stops the
+run with the sanitizer's report; otherwise it prints how many inputs got which answer."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from backends.preprocess import scan_check  # noqa: E402
+from clients.samples import photo_like  # noqa: E402
+
+PHOTOS = [(64, 48, 0, 90, 0), (300, 200, 2, 75, 0), (33, 17, 1, 50, 3), (700, 500, 2, 95, 0), (1600, 1200, 2, 90, 0),
+          (1200, 1200, 0, 95, 0)]  # width, height, subsampling, quality, restart every n blocks
+
+
+def bases() -> list[bytes]:
+    out = []
+    for k, (w, h, sub, q, restart) in enumerate(PHOTOS):
+        buf = io.BytesIO()
+        extra = {"restart_marker_blocks": restart} if restart else {}
+        Image.fromarray(photo_like(w, h, seed=k)).save(buf, "JPEG", quality=q, subsampling=sub, **extra)
+        out.append(buf.getvalue())
+    buf = io.BytesIO()
+    Image.fromarray(photo_like(200, 100, seed=9)).convert("L").save(buf, "JPEG", quality=80)
+    return out + [buf.getvalue()]
+
+
+def mutate(blob: bytes, kind: int, rng) -> bytes:
+    b = bytearray(blob)
+    if kind == 0:  # a few bytes anywhere
+        for _ in range(rng.integers(1, 6)):
+            b[rng.integers(0, len(b))] = rng.integers(0, 256)
+    elif kind == 1:  # cut anywhere
+        b = b[:rng.integers(0, len(b))]
+    elif kind == 2:  # header bytes only
+        sos = b.index(b"\xff\xda")
+        for _ in range(rng.integers(1, 4)):
+            b[rng.integers(2, sos + 10)] = rng.integers(0, 256)
+    elif kind == 3:  # random bytes inserted
+        k = rng.integers(0, len(b))
+        b = b[:k] + bytes(rng.integers(0, 256, rng.integers(1, 40)).tolist()) + b[k:]
+    else:  # garbage after a start marker
+        b = bytearray(b"\xff\xd8" + bytes(rng.integers(0, 256, rng.integers(0, 3000)).tolist()))
+    return bytes(b)
+
+
+def fuzz(library: str, seconds: float) -> None:
+    lib = ctypes.CDLL(library)
+    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    rng = np.random.default_rng(1)
+    photos, answers, n = bases(), {}, 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        blob = mutate(photos[n % len(photos)], n % 5, rng)
+        for threads in (1, 4, 8):
+            code = lib.kimi_scan_check(blob, len(blob), threads)
+            name = "passed" if code == 0 else scan_check.REASONS.get(code, str(code))
+            answers[name] = answers.get(name, 0) + 1
+        n += 1
+    print(f"{n} inputs, each on 1, 4 and 8 threads, no sanitizer report; answers: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--library", help=argparse.SUPPRESS)  # the sanitized build, in the second process
+    args = ap.parse_args(argv)
+    if args.library:
+        fuzz(args.library, args.seconds)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        library = str(Path(tmp) / "scan_check_asan.so")
+        subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-shared", "-fPIC",
+                        "-pthread", "-ffp-contract=off", "-o", library, str(scan_check.SOURCE), "-lm"], check=True)
+        runtimes = [subprocess.run(["cc", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
+                    for name in ("libasan.so", "libubsan.so")]
+        env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0",
+                   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+        return subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--library", library], env=env).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
