@@ -123,10 +123,16 @@ class GpuJpegDecoder:
     def enabled(self) -> bool:
         return self.decoder is not None
 
-    def self_check(self) -> int:
+    def self_check(self) -> int | str:
+        """0 if the GPU gives Pillow's pixels for every generated JPEG; else how many differ, or (a
+        string) which ones the scan check refused: well-formed files it must pass."""
         blobs = self_check_images()
         images = [Image.open(io.BytesIO(b)) for b in blobs]
-        got = self.decode(blobs, images)
+        got, pending = self.decode_async(blobs, images)
+        refused = {k: why for k, why in self.settle(pending).items() if why is not None}
+        if refused:
+            return (f"the scan check refused {len(refused)} of the generated JPEGs "
+                    f"({', '.join(sorted(set(refused.values())))})")
         bad = 0
         for blob, img, rgb in zip(blobs, images, got):
             ref = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))

@@ -70,26 +70,34 @@ def test_a_jpeg_with_r_g_b_component_ids_and_no_jfif_stays_on_pillow():
     assert pillow_reason(Image.open(io.BytesIO(_img(subsampling=0)))) is None  # the file before the edit
 
 
-@pytest.mark.parametrize("fault", [None, "one pixel", "raise"])
+@pytest.mark.parametrize("fault", [None, "one pixel", "raise", "refused"])
 def test_self_check_counts_a_single_differing_pixel_and_survives_a_raise(monkeypatch, fault):
     """The start-up self-check against Pillow itself: equal everywhere keeps GPU decoding on; one level of
-    one pixel in one image, or a decode that raises, turns it off and says which."""
-    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", lambda device: object())  # decode is replaced below
+    one pixel in one image, a decode that raises, or a scan check that refuses a well-formed generated
+    file, turns it off and says which."""
+    from concurrent.futures import Future
 
-    def decode(self, blobs, images):
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", lambda device: object())  # decode_async is replaced below
+
+    def decode_async(self, blobs, images):
         if fault == "raise":
             raise RuntimeError("the colour kernel failed")
         out = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(b)).convert("RGB")).copy()) for b in blobs]
         if fault == "one pixel":
             out[5][0, 0, 1] ^= 1
-        return out
+        pending = {}
+        for k in range(len(blobs)):
+            pending[k] = Future()
+            pending[k].set_result("scan_range" if fault == "refused" and k in (2, 7) else None)
+        return out, pending
 
-    monkeypatch.setattr(GpuJpegDecoder, "decode", decode)
+    monkeypatch.setattr(GpuJpegDecoder, "decode_async", decode_async)
     decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
     assert decoder.enabled == (fault is None), decoder.off_reason
     assert decoder.off_reason == {None: "",
                                   "one pixel": "self-check: 1 of the generated JPEGs differ from Pillow",
-                                  "raise": "self-check: it raised RuntimeError: the colour kernel failed"}[fault]
+                                  "raise": "self-check: it raised RuntimeError: the colour kernel failed",
+                                  "refused": "self-check: the scan check refused 2 of the generated JPEGs (scan_range)"}[fault]
 
 
 class _WrongDecoder:
