@@ -20,11 +20,10 @@ SAMPLING_440 = 0x121111  # OpenCV: Y 1x2, Cb 1x1, Cr 1x1
 
 
 def self_check_picture(w: int = 67, h: int = 45) -> np.ndarray:
-    """RGB like the self-check's other images: gradients with some noise."""
-    rng = np.random.default_rng(440)
-    y, x = np.mgrid[0:h, 0:w]
-    rgb = np.stack([(x * 3 + y * 5) % 256, (x * 7 + 40) % 256, (y * 11 + x) % 256], -1) + rng.integers(-30, 30, (h, w, 3))
-    return np.clip(rgb, 0, 255).astype(np.uint8)
+    """RGB like the self-check's other images (its own gradients with some noise)."""
+    from backends.preprocess.jpeg_gpu import gradient_picture
+
+    return gradient_picture(w, h, np.random.default_rng(440))
 
 
 def encode_440(rgb: np.ndarray, quality: int) -> bytes:

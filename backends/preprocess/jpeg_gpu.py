@@ -64,14 +64,20 @@ def pillow_reason(img: Image.Image) -> str | None:
 SELF_CHECK_440 = Path(__file__).with_name("selfcheck_440.jpg")
 
 
+def gradient_picture(w: int, h: int, rng: np.random.Generator) -> np.ndarray:
+    """The self-check's pictures (uint8 RGB): gradients with some noise, so that chroma varies at every
+    upsampling edge."""
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([(x * 3 + y * 5) % 256, (x * 7 + 40) % 256, (y * 11 + x) % 256], -1) + rng.integers(-30, 30, (h, w, 3))
+    return np.clip(rgb, 0, 255).astype(np.uint8)
+
+
 def self_check_images() -> list[bytes]:
     """Small JPEGs covering every sampling the GPU path takes, odd sizes and fancy-upsampling edges."""
     rng = np.random.default_rng(7)
     blobs = []
     for w, h in ((67, 45), (3, 2), (257, 131), (16, 9)):
-        y, x = np.mgrid[0:h, 0:w]
-        rgb = np.stack([(x * 3 + y * 5) % 256, (x * 7 + 40) % 256, (y * 11 + x) % 256], -1) + rng.integers(-30, 30, (h, w, 3))
-        img = Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8))
+        img = Image.fromarray(gradient_picture(w, h, rng))
         for subsampling in (0, 1, 2):
             for quality in (75, 100):
                 buf = io.BytesIO()
