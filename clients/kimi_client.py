@@ -151,9 +151,9 @@ class KimiVisionClient:
     def embeds_bytes(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
                      timeout_s: float | None = None) -> int:
         """Bytes this request's IMAGE_EMBEDS will take: its token counts (asked of kimi_placeholder,
-        which reads only the images' headers) times the row width and element size the ensemble's
-        model config gives. What a shared-memory region for it needs; a request the server refuses
-        raises here already."""
+        which reads only the images' headers; of `model` itself for a client made with one) times the
+        row width and element size the model config gives. What a shared-memory region for it needs; a
+        request the server refuses raises here already."""
         counts = self.infer(input_ids, images, media_frames=media_frames, outputs=[contract.IMAGE_TOKEN_COUNTS],
                             timeout_s=timeout_s).token_counts
         if self._embeds_row is None:

@@ -1,6 +1,8 @@
 """Writes the committed 4:4:0 (h1v2) JPEGs, which Pillow can decode but not write: OpenCV writes them.
 
-    pip install --target /tmp/cv opencv-python-headless && PYTHONPATH=/tmp/cv python -m tools.make_440_jpegs
+    pip install --target /tmp/cv opencv-python-headless && PYTHONPATH=/tmp/cv .venv/bin/python -m tools.make_440_jpegs
+
+(the project's environment: the self-check's picture comes from backends/preprocess/jpeg_gpu.py)
 
 - oracles/data/440_259x97_q50.jpg, 440_259x97_q95.jpg: the exact-decode corpus's 4:4:0 files
   (oracles/jpeg_corpus.py), the same picture as its other files;

@@ -431,8 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
                          "states (more idle power; README: Scale out). Off by default; needs write access to "
                          "the device")
+    try:
+        mps_default = env_flag("KIMI_MPS", False)
+    except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
+        raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
-                    default=env_flag("KIMI_MPS", False),
+                    default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
                          "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
                          "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")

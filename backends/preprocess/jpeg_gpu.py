@@ -117,6 +117,8 @@ class GpuJpegDecoder:
             log.exception("GPU JPEG self-check raised")
             mismatches = f"it raised {type(exc).__name__}: {exc}"
         if mismatches:
+            if self.device.type == "cuda":  # the decoder's bitstreams stay referenced until its work is done
+                torch.cuda.current_stream(self.device).synchronize()
             self.decoder = None
             self.off_reason = (f"self-check: {mismatches} of the generated JPEGs differ from Pillow"
                                if isinstance(mismatches, int) else f"self-check: {mismatches}")

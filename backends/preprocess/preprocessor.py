@@ -91,7 +91,7 @@ class Preprocessor:
         if self.resize not in ("pillow", "torch"):
             raise ValueError(f"resize must be 'pillow' or 'torch', got {self.resize!r}")
         self.table = torch.from_numpy(normalization_table(media)).to(self.device)
-        # Exact GPU JPEG decoding where there is a GPU (None: on unless KIMI_GPU_JPEG=0; self-checked).
+        # Exact GPU JPEG decoding where there is a GPU (None: on unless KIMI_GPU_JPEG says off; self-checked).
         self.jpeg = GpuJpegDecoder(self.device, gpu_jpeg) if self.device.type == "cuda" and gpu_jpeg is not False else None
 
         self._host_only = Counter()  # decode_stats without a GPU

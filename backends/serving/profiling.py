@@ -33,7 +33,7 @@ class ExecuteProfiler:
         self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
         # KIMI_PROFILE_TORCH=0: cProfile only. torch's profiler (CUPTI) makes CUDA API calls slower, so
         # host times under it are inflated; cProfile alone costs ~1 us per Python call.
-        self.torch = env_flag("KIMI_PROFILE_TORCH", True)
+        self.torch = env_flag("KIMI_PROFILE_TORCH", True) if self.dir else True  # read only when profiling
         self.model, self.seen, self.prof, self.py, self.opened, self.in_window = model, 0, None, None, 0, 0
 
     def __call__(self):

@@ -137,9 +137,12 @@ def test_a_damaged_scan_gets_the_cpu_paths_answer(seed):
         for k in range(scan_start(base) + 100, len(blob) - 100, every):
             blob[k] ^= 0x55
         files.append((f"every {every}th byte flipped", bytes(blob)))
+    from backends.preprocess import scan_check
+
     cpu_pre = Preprocessor(MediaConfig())
     gpu_pre = Preprocessor(MediaConfig(), device=DEV, out_dtype=torch.float32)
     gpu_pre.decode_stats.clear()
+    walks, _ = scan_check.parallel_counts()
     for label, blob in files:
         cpu, gpu = _answer(cpu_pre, blob), _answer(gpu_pre, blob)
         if isinstance(cpu, str):
@@ -149,3 +152,5 @@ def test_a_damaged_scan_gets_the_cpu_paths_answer(seed):
     stats = gpu_pre.decode_stats
     refused = sum(n for (path, why), n in stats.items() if why.startswith("scan_"))
     assert refused > 0 and stats[("gpu", "")] > 0, stats  # both kinds were exercised
+    if seed == 3 and scan_check.THREADS > 1:  # the large photo's checks ran on several threads
+        assert scan_check.parallel_counts()[0] > walks

@@ -35,3 +35,22 @@ def test_kimi_gpu_jpeg_false_turns_gpu_decoding_off(monkeypatch):
     decoder = GpuJpegDecoder(torch.device("cpu"))
     assert not decoder.enabled and decoder.off_reason == "turned off (KIMI_GPU_JPEG, or gpu_jpeg=False)"
     assert decoder.reason(Image.new("RGB", (4, 4))) == "not_jpeg"
+
+
+def test_a_bad_kimi_mps_stops_the_launcher_with_one_line(monkeypatch):
+    from backends.deploy.launcher import build_parser
+
+    monkeypatch.setenv("KIMI_MPS", "maybe")
+    with pytest.raises(SystemExit, match="KIMI_MPS='maybe'"):
+        build_parser()
+
+
+def test_kimi_profile_torch_is_read_only_when_profiling(monkeypatch):
+    from backends.serving.profiling import ExecuteProfiler
+
+    monkeypatch.setenv("KIMI_PROFILE_TORCH", "maybe")
+    monkeypatch.delenv("KIMI_PROFILE_DIR", raising=False)
+    assert ExecuteProfiler("m").torch is True  # not profiling: the word is never read
+    monkeypatch.setenv("KIMI_PROFILE_DIR", "/tmp/profile")
+    with pytest.raises(ValueError, match="KIMI_PROFILE_TORCH"):
+        ExecuteProfiler("m")
