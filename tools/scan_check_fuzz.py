@@ -66,14 +66,14 @@ def mutate(blob: bytes, kind: int, rng) -> bytes:
 
 def fuzz(library: str, seconds: float) -> None:
     lib = ctypes.CDLL(library)
-    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
     rng = np.random.default_rng(1)
     photos, answers, n = bases(), {}, 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         blob = mutate(photos[n % len(photos)], n % 5, rng)
         for threads in (1, 4, 8):
-            code = lib.kimi_scan_check(blob, len(blob), threads)
+            code = lib.kimi_scan_check(blob, len(blob), threads, 0)
             name = "passed" if code == 0 else scan_check.REASONS.get(code, str(code))
             answers[name] = answers.get(name, 0) + 1
         n += 1

@@ -47,7 +47,7 @@ def timed_library(folder: Path) -> ctypes.CDLL:
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(folder / "timed.so"), str(folder / "timed.c"), "-lm"],
                    check=True)
     lib = ctypes.CDLL(str(folder / "timed.so"))
-    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
     return lib
 
 
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                 best = float("inf")
                 for _ in range(5):
                     t = time.perf_counter()
-                    codes = [check(b, len(b), threads) for b in blobs]
+                    codes = [check(b, len(b), threads, 0) for b in blobs]
                     best = min(best, (time.perf_counter() - t) * 1e3)
                 assert not any(codes), codes
                 print(f"| {case} | {sum(map(len, blobs))} | {threads} | {best:.2f} | {pillow:.1f} |", flush=True)

@@ -164,7 +164,20 @@ class GpuJpegDecoder:
                 out[k] = None
         return out
 
-    def decode_async(self, blobs: list[bytes], images: list[Image.Image]) -> tuple[list[torch.Tensor | None], dict]:
+    def start_checks(self, blobs, max_pixels: int) -> dict:
+        """The scan checks of every blob that opens like a JPEG, started now on the host threads
+        ({index: future}), for a caller that has other work before its decode (Pillow's header reads):
+        pass them to decode_async, and cancel them when done (a check the decode never asked for).
+        Images above `max_pixels` are refused from their header (the request's own check refuses them
+        too), so that a decompression bomb costs no scan decode here."""
+        if self.decoder is None:
+            return {}
+        threads = host_threads.pool()
+        return {i: threads.submit(scan_check.check, b, scan_check.THREADS, max_pixels)
+                for i, b in enumerate(blobs) if bytes(b[:2]) == b"\xff\xd8"}
+
+    def decode_async(self, blobs: list[bytes], images: list[Image.Image],
+                     checks: list | None = None) -> tuple[list[torch.Tensor | None], dict]:
         """RGB (H, W, 3) uint8 on the device for each blob the hardware decoder takes (one batched decode,
         no host sync), None for those it refuses (decode them with Pillow); and the pending scan checks
         of the decoded ones (settle() waits for them: until then a decoded image is provisional).
@@ -174,15 +187,23 @@ class GpuJpegDecoder:
         then cancelled).
 
         The scans are checked on the host threads (scan_check.py) while this thread reads the headers
-        and launches the decode, and while the caller goes on with the request."""
+        and launches the decode, and while the caller goes on with the request. `checks`, one per blob,
+        are checks the caller started earlier (start_checks; None where it did not): they are used, and
+        left to the caller to cancel."""
         threads = host_threads.pool()
-        verdicts = [threads.submit(scan_check.check, blob) for blob in blobs]
+        given = checks or [None] * len(blobs)
+        verdicts = [c if c is not None else threads.submit(scan_check.check, b) for c, b in zip(given, blobs)]
+        own = [v for c, v in zip(given, verdicts) if c is None]
         try:
-            return self._decode_checked(blobs, images, verdicts)
+            out, pending = self._decode_checked(blobs, images, verdicts)
         except BaseException:
-            for verdict in verdicts:
+            for verdict in own:
                 verdict.cancel()
             raise
+        for verdict in own:
+            if verdict not in pending.values():
+                verdict.cancel()  # Pillow decodes that image whatever its check says
+        return out, pending
 
     def _decode_checked(self, blobs, images, verdicts) -> tuple[list[torch.Tensor | None], dict]:
         counts: Counter = Counter()
@@ -216,9 +237,6 @@ class GpuJpegDecoder:
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
         self.stats.update(counts)
-        for k, info in enumerate(infos):
-            if info is None:
-                verdicts[k].cancel()  # Pillow decodes it whatever its check says
         return out, {k: verdicts[k] for k in todo}
 
     @staticmethod

@@ -129,7 +129,7 @@ class Preprocessor:
         return resize_bicubic(pixels, plan.width, plan.height)
 
     def _frames(self, blobs: Sequence[bytes], images: Sequence[Image.Image], plans: list[MediaPlan],
-                pending: dict, forced: dict):
+                pending: dict, forced: dict, early: dict):
         """Every frame of every media in order, on the device and resized. JPEGs the GPU path takes are
         decoded there in batches of up to GPU_DECODE_PIXELS, their scan checks left in `pending` (image
         index -> future); the rest by Pillow, up to DECODE_AHEAD frames ahead, `forced` (image index ->
@@ -158,7 +158,8 @@ class Preprocessor:
                             group.append(j)
                             pixels += _pixels(images[j])
                     try:
-                        rgbs, checks = self.jpeg.decode_async([blobs[j] for j in group], [images[j] for j in group])
+                        rgbs, checks = self.jpeg.decode_async([blobs[j] for j in group], [images[j] for j in group],
+                                                              [early.get(j) for j in group])
                         decoded.update(zip(group, rgbs))
                         pending.update((group[k], check) for k, check in checks.items())
                     except Exception:  # noqa: BLE001 - e.g. nvJPEG rejects a corrupt file: Pillow decides
@@ -201,6 +202,16 @@ class Preprocessor:
         come back, at the end: if one refuses an image, the request is computed again with that image
         on Pillow. Damaged files are rare, so the common request pays for its checks only where they
         outlast the rest of its preprocessing."""
+        # The scan checks start before the headers are read (Pillow's, on this thread), so that they have
+        # as long as possible to finish beside the rest; a pass done again reuses their answers.
+        early = self.jpeg.start_checks(blobs, self.limits.max_image_pixels) if self.jpeg is not None else {}
+        try:
+            return self._checked(blobs, media_frames, cancelled, early)
+        finally:
+            for verdict in early.values():  # those the decode never asked for (a PNG-like JPEG, an error)
+                verdict.cancel()
+
+    def _checked(self, blobs, media_frames, cancelled, early: dict):
         images = self.open(blobs)
         plans = self.plan(images, media_frames)
         forced: dict[int, str] = {}
@@ -208,7 +219,7 @@ class Preprocessor:
             pending: dict = {}
             counted = Counter(self.decode_stats)  # a pass done again is counted once
             try:
-                result = self._compute(blobs, images, plans, cancelled, pending, forced)
+                result = self._compute(blobs, images, plans, cancelled, pending, forced, early)
             except BaseException:
                 for verdict in pending.values():  # the request failed: its checks are not wanted
                     verdict.cancel()
@@ -227,12 +238,13 @@ class Preprocessor:
             self.jpeg.count(refused)  # the next pass leaves them out of its routing and its counts
             forced.update(refused)
 
-    def _compute(self, blobs, images, plans, cancelled, pending: dict, forced: dict) -> tuple[torch.Tensor, np.ndarray]:
+    def _compute(self, blobs, images, plans, cancelled, pending: dict, forced: dict,
+                 early: dict) -> tuple[torch.Tensor, np.ndarray]:
         """pixel_values and grid_thws (see __call__), GPU decodes' scan checks left in `pending`."""
         chunks = []
         # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
-        with contextlib.closing(self._frames(blobs, images, plans, pending, forced)) as frames_in_order:
+        with contextlib.closing(self._frames(blobs, images, plans, pending, forced, early)) as frames_in_order:
             run: list[torch.Tensor] = []  # still images with one plan, back to back in one tensor
             for n, m in enumerate(plans):
                 if cancelled is not None and cancelled():

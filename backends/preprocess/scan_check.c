@@ -684,7 +684,10 @@ static int check_scan(const uint8_t *d, size_t n, size_t p, Segment *g, const Co
   return end_interval(d, n, g, bp, 0xD9);
 }
 
-int kimi_scan_check(const uint8_t *d, size_t n, int threads) {
+/* 0 if the scan may go to the GPU, else a reason (the enum above). `threads`: at most this many threads
+ * for a large scan. `max_pixels` (0: none): an image larger than this is refused before its scan is
+ * read, so that a check started before the request's own size check costs nothing for a bomb. */
+int kimi_scan_check(const uint8_t *d, size_t n, int threads, uint64_t max_pixels) {
   pthread_once(&tables_once, build_basis);
   Huffman dc[4], ac[4];
   uint16_t quant[4][64];
@@ -740,6 +743,7 @@ int kimi_scan_check(const uint8_t *d, size_t n, int threads) {
       ncomp = s[5];
       if (!width || !height || width > 65500 || height > 65500 || (ncomp != 1 && ncomp != 3))
         return E_UNSUPPORTED; /* libjpeg-turbo refuses sides above JPEG_MAX_DIMENSION */
+      if (max_pixels && (uint64_t)width * height > max_pixels) return E_UNSUPPORTED;
       if (len != 8 + 3 * (size_t)ncomp) return E_STRUCTURE;
       for (int c = 0; c < ncomp; c++) {
         comp[c].id = s[6 + 3 * c];

@@ -108,18 +108,19 @@ def library() -> ctypes.CDLL:
                 lib = ctypes.CDLL(str(_build()))
             except OSError as exc:
                 raise ScanCheckUnavailable(str(exc)) from None
-            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int)
+            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
             lib.kimi_scan_check.restype = ctypes.c_int
             lib.kimi_scan_walks.restype = lib.kimi_scan_fallbacks.restype = ctypes.c_long
             _LIB = lib
     return _LIB
 
 
-def check(blob: bytes, threads: int = THREADS) -> str | None:
+def check(blob: bytes, threads: int = THREADS, max_pixels: int = 0) -> str | None:
     """None if the GPU decode of this JPEG must equal Pillow's (a well-formed baseline scan within
-    range), else the reason it goes to Pillow. The answer does not depend on `threads`."""
+    range), else the reason it goes to Pillow. The answer does not depend on `threads`. `max_pixels`
+    (0: none) refuses a larger image from its header, before its scan is read."""
     data = bytes(blob)
-    code = library().kimi_scan_check(data, len(data), threads)
+    code = library().kimi_scan_check(data, len(data), threads, max_pixels)
     return None if code == 0 else REASONS.get(code, f"scan_{code}")
 
 

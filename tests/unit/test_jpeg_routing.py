@@ -342,3 +342,36 @@ def test_without_the_scan_check_no_jpeg_goes_to_the_gpu(monkeypatch):
     decoder = GpuJpegDecoder(torch.device("cpu"), enabled=True)
     assert not decoder.enabled and decoder.off_reason == "no C compiler ('cc') to build scan_check.c"
     assert decoder.reason(Image.open(io.BytesIO(_img()))) == "gpu_decode_off"
+
+
+def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(monkeypatch):
+    """The checks start with the request (before Pillow reads the headers), a pass done again reuses
+    their answers, and no check is made of what is not a JPEG."""
+    from backends.config import MediaConfig
+    from backends.preprocess import scan_check
+    from backends.preprocess.preprocessor import Preprocessor
+    from clients.samples import encode, photo_like
+
+    checked, real = [], scan_check.check
+
+    def counting(blob, *args):
+        checked.append(bytes(blob[:2]))
+        return real(blob, *args)
+
+    monkeypatch.setattr(scan_check, "check", counting)
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
+    good = encode(photo_like(40, 30, seed=1), "JPEG", quality=90)
+    bad = good[:-2] + b"\x12\x34" + good[-2:]
+    png = encode(photo_like(40, 30, seed=2), "PNG")
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder, dec.stats = _WrongDecoder(None), Counter()
+    pre = Preprocessor(MediaConfig())
+    pre.jpeg = dec
+    order = []
+    start = dec.start_checks
+    monkeypatch.setattr(dec, "start_checks", lambda *a: order.append("checks") or start(*a), raising=False)
+    monkeypatch.setattr(pre, "open", lambda blobs: order.append("headers") or Preprocessor.open(pre, blobs))
+    pre([bad, png, good])  # refused `bad`: preprocessed twice
+    assert order == ["checks", "headers"]
+    assert checked == [b"\xff\xd8"] * 2  # the two JPEGs, once each over both passes; never the PNG
+    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("pillow", "not_jpeg"): 1, ("gpu", ""): 1})

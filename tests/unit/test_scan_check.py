@@ -196,3 +196,10 @@ def test_sides_above_libjpegs_limit_are_refused(photo_jpeg):
     with pytest.raises(Exception):
         Image.open(io.BytesIO(bytes(wide))).convert("RGB")
     assert scan_check.check(bytes(wide)) == "scan_unsupported"
+
+
+def test_an_image_above_the_pixel_limit_is_refused_from_its_header(photo_jpeg):
+    """A check started before the request's own size check (Preprocessor.start of a request) must not
+    decode a decompression bomb's scan: max_pixels refuses it from the frame header."""
+    assert scan_check.check(photo_jpeg, max_pixels=96 * 64) is None
+    assert scan_check.check(photo_jpeg, max_pixels=96 * 64 - 1) == "scan_unsupported"
