@@ -12,8 +12,6 @@ run with the sanitizer's report; otherwise it prints how many inputs got which a
 from __future__ import annotations
 
 import argparse
-import ctypes
-import io
 import os
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from backends.preprocess import scan_check  # noqa: E402
-from clients.samples import photo_like  # noqa: E402
+from clients.samples import encode, photo_like  # noqa: E402
 
 PHOTOS = [(64, 48, 0, 90, 0), (300, 200, 2, 75, 0), (33, 17, 1, 50, 3), (700, 500, 2, 95, 0), (1600, 1200, 2, 90, 0),
           (1200, 1200, 0, 95, 0)]  # width, height, subsampling, quality, restart every n blocks
@@ -36,13 +34,9 @@ PHOTOS = [(64, 48, 0, 90, 0), (300, 200, 2, 75, 0), (33, 17, 1, 50, 3), (700, 50
 def bases() -> list[bytes]:
     out = []
     for k, (w, h, sub, q, restart) in enumerate(PHOTOS):
-        buf = io.BytesIO()
         extra = {"restart_marker_blocks": restart} if restart else {}
-        Image.fromarray(photo_like(w, h, seed=k)).save(buf, "JPEG", quality=q, subsampling=sub, **extra)
-        out.append(buf.getvalue())
-    buf = io.BytesIO()
-    Image.fromarray(photo_like(200, 100, seed=9)).convert("L").save(buf, "JPEG", quality=80)
-    return out + [buf.getvalue()]
+        out.append(encode(photo_like(w, h, seed=k), "JPEG", quality=q, subsampling=sub, **extra))
+    return out + [encode(Image.fromarray(photo_like(200, 100, seed=9)).convert("L"), "JPEG", quality=80)]
 
 
 def mutate(blob: bytes, kind: int, rng) -> bytes:
@@ -65,8 +59,7 @@ def mutate(blob: bytes, kind: int, rng) -> bytes:
 
 
 def fuzz(library: str, seconds: float) -> None:
-    lib = ctypes.CDLL(library)
-    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
+    lib = scan_check.load(Path(library))
     rng = np.random.default_rng(1)
     photos, answers, n = bases(), {}, 0
     end = time.monotonic() + seconds
@@ -90,14 +83,16 @@ def main(argv=None) -> int:
         fuzz(args.library, args.seconds)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        library = str(Path(tmp) / "scan_check_asan.so")
-        subprocess.run(["cc", "-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-shared", "-fPIC",
-                        "-pthread", "-ffp-contract=off", "-o", library, str(scan_check.SOURCE), "-lm"], check=True)
-        runtimes = [subprocess.run(["cc", f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
+        library = Path(tmp) / "scan_check_asan.so"
+        scan_check.compile_library(scan_check.SOURCE, library,
+                                   ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"))
+        cc = scan_check._compiler()
+        runtimes = [subprocess.run([*cc, f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
                     for name in ("libasan.so", "libubsan.so")]
         env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0",
                    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
-        return subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--library", library], env=env).returncode
+        return subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--library", str(library)],
+                              env=env).returncode
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import io
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.preprocess import scan_check  # noqa: E402
 from bench.cases import case_jpegs  # noqa: E402
-from clients.samples import photo_like  # noqa: E402
+from clients.samples import encode, photo_like  # noqa: E402
 from oracles.jpeg_corpus import damaged  # noqa: E402
 
 _TIMED = [  # (anchor in scan_check.c, text put after it)
@@ -44,11 +43,8 @@ def timed_library(folder: Path) -> ctypes.CDLL:
             raise SystemExit(f"scan_check.c changed: {anchor.strip()!r} not found; update _TIMED")
         source = source.replace(anchor, anchor + text, 1)
     (folder / "timed.c").write_text(source)
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-pthread", "-o", str(folder / "timed.so"), str(folder / "timed.c"), "-lm"],
-                   check=True)
-    lib = ctypes.CDLL(str(folder / "timed.so"))
-    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
-    return lib
+    scan_check.compile_library(folder / "timed.c", folder / "timed.so")  # as the served library is built
+    return scan_check.load(folder / "timed.so")
 
 
 def agreement(seeds: int) -> int:
@@ -60,9 +56,8 @@ def agreement(seeds: int) -> int:
         img = Image.fromarray(photo_like(w, h, seed=seed))
         if seed % 5 == 4:
             img = img.convert("L")
-        buf = io.BytesIO()
-        img.save(buf, "JPEG", quality=[60, 80, 90, 97][seed % 4], subsampling=seed % 3)
-        for label, blob in [("as written", buf.getvalue())] + damaged(buf.getvalue(), 100 + seed, 60):
+        photo = encode(img, "JPEG", quality=[60, 80, 90, 97][seed % 4], subsampling=seed % 3)
+        for label, blob in [("as written", photo)] + damaged(photo, 100 + seed, 60):
             one = scan_check.check(blob, threads=1)
             for threads in (2, 3, 5, 8, 16):
                 if scan_check.check(blob, threads=threads) != one:

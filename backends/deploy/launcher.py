@@ -230,7 +230,7 @@ def scan_check_note() -> str:
     from backends.preprocess import scan_check
 
     try:
-        return f"JPEG scan check: {scan_check.library()._name}"
+        return f"JPEG scan check: {scan_check.library_path()}"
     except scan_check.ScanCheckUnavailable as exc:
         return f"WARNING: {exc}; exact GPU JPEG decoding stays off (Pillow decodes every JPEG)"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.deploy.supervisor import processes
+from backends.folders import own_private_folder
 
 CONTROL = "nvidia-cuda-mps-control"
 STOP_TIMEOUT_S = 30.0  # how long stop() waits for the daemon and its MPS server to go
@@ -113,21 +113,6 @@ def client_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     return _pids_on(pipe_dir, proc, False)
 
 
-def _own_folder(folder: Path) -> None:
-    """`folder` is a real folder (no link), ours, and only ours: its path is predictable, in a shared temp
-    folder. One left by an older run keeps working; its mode is set again."""
-    try:
-        folder.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise MpsUnavailable(f"{folder} is not a folder (a link or a file)")
-    if st.st_uid != os.geteuid():
-        raise MpsUnavailable(f"{folder} belongs to another user")
-    os.chmod(folder, 0o700)
-
-
 def start(folder: Path, binary: str | None = None, timeout_s: float = STOP_TIMEOUT_S) -> Daemon:
     """Starts a control daemon whose pipe and log folders lie under `folder` (made if missing; its parent
     must exist). A daemon an earlier run left on the same folder is asked to quit first, unless processes
@@ -140,7 +125,7 @@ def start(folder: Path, binary: str | None = None, timeout_s: float = STOP_TIMEO
     daemon = Daemon.under(folder, binary)
     try:
         for d in (folder, daemon.pipe_dir, daemon.log_dir):
-            _own_folder(d)
+            own_private_folder(d)  # a predictable path in a shared folder
     except OSError as exc:
         raise MpsUnavailable(f"cannot make its folders under {folder}: {exc}") from None
     if daemon_pids(daemon.pipe_dir):

@@ -112,16 +112,14 @@ class GpuJpegDecoder:
             log.warning("exact GPU JPEG decoding is off: %s; JPEGs are decoded by Pillow", exc)
             return
         try:
-            mismatches = self.self_check()
+            failure = self.self_check()
         except Exception as exc:  # noqa: BLE001 - e.g. the kernel fails to build: Pillow must still serve
             log.exception("GPU JPEG self-check raised")
-            mismatches = f"it raised {type(exc).__name__}: {exc}"
-        if mismatches:
-            if self.device.type == "cuda":  # the decoder's bitstreams stay referenced until its work is done
-                torch.cuda.current_stream(self.device).synchronize()
+            failure = f"it raised {type(exc).__name__}: {exc}"
+        if failure:
+            self.decoder.close()
             self.decoder = None
-            self.off_reason = (f"self-check: {mismatches} of the generated JPEGs differ from Pillow"
-                               if isinstance(mismatches, int) else f"self-check: {mismatches}")
+            self.off_reason = f"self-check: {failure}"
             log.error("exact GPU JPEG decoding is off: %s; JPEGs are decoded by Pillow", self.off_reason)
         else:
             log.info("exact GPU JPEG decoding is on (nvJPEG hardware decoder; self-check equal to Pillow)")
@@ -131,9 +129,9 @@ class GpuJpegDecoder:
     def enabled(self) -> bool:
         return self.decoder is not None
 
-    def self_check(self) -> int | str:
-        """0 if the GPU gives Pillow's pixels for every generated JPEG; else how many differ, or (a
-        string) which ones the scan check refused: well-formed files it must pass."""
+    def self_check(self) -> str:
+        """"" if the GPU gives Pillow's pixels for every generated JPEG; else what went wrong: how many
+        differ, or which ones the scan check refused (well-formed files it must pass)."""
         blobs = self_check_images()
         images = [Image.open(io.BytesIO(b)) for b in blobs]
         got, pending = self.decode_async(blobs, images)
@@ -146,7 +144,7 @@ class GpuJpegDecoder:
             ref = np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
             if rgb is None or not np.array_equal(rgb.cpu().numpy(), ref):
                 bad += 1
-        return bad
+        return f"{bad} of the generated JPEGs differ from Pillow" if bad else ""
 
     def reason(self, img: Image.Image) -> str | None:
         """Why `img` goes to Pillow, None if it goes to the GPU."""
@@ -193,16 +191,16 @@ class GpuJpegDecoder:
         threads = host_threads.pool()
         given = checks or [None] * len(blobs)
         verdicts = [c if c is not None else threads.submit(scan_check.check, b) for c, b in zip(given, blobs)]
-        own = [v for c, v in zip(given, verdicts) if c is None]
+        own = [k for k, c in enumerate(given) if c is None]
         try:
             out, pending = self._decode_checked(blobs, images, verdicts)
         except BaseException:
-            for verdict in own:
-                verdict.cancel()
+            for k in own:
+                verdicts[k].cancel()
             raise
-        for verdict in own:
-            if verdict not in pending.values():
-                verdict.cancel()  # Pillow decodes that image whatever its check says
+        for k in own:
+            if k not in pending:
+                verdicts[k].cancel()  # Pillow decodes that image whatever its check says
         return out, pending
 
     def _decode_checked(self, blobs, images, verdicts) -> tuple[list[torch.Tensor | None], dict]:

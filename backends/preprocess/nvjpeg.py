@@ -149,6 +149,14 @@ class HardwareJpegDecoder:
                  "nvjpegDecodeBatchedSupported")
         return None if flag.value == 0 else "not decodable by the hardware decoder (e.g. progressive)"
 
+    def close(self) -> None:
+        """Waits for the decodes still reading their bitstreams, then lets them go: before the decoder is
+        dropped (its nvJPEG handle is not destroyed; one per model instance, kept for its life)."""
+        for event, *_ in self._in_flight:
+            event.synchronize()
+        self._in_flight.clear()
+        self._held_bytes = 0
+
     def _release_bitstreams(self) -> None:
         """Drops the bitstreams of decodes their stream has passed: one event query per few decodes, not
         one per decode. Decodes on one stream run in order, so when all held decodes were issued on the

@@ -340,12 +340,18 @@ static inline int decode_block(const Ctx *cx, int j, size_t *bp, Block *o, int32
 
 /* The DC-dependent checks of a decoded block, once its predictor is known. pos/val: its AC
  * coefficients, with room for one more. */
+/* The cheap bounds, with the DC coefficient times its quantizer `dq` (within COEF_LIMIT):
+ * |output| <= sum |F| * max|basis|, |first pass| <= sum |F| / 2. Both checks, the one-thread one and
+ * the walk, ask this one function, so they round alike. */
+static inline int cheap_bounds_hold(float ac_bound, float ac_total, int32_t dq) {
+  float a = fabsf((float)dq);
+  return ac_bound + a * weight[0] <= OUTPUT_LIMIT && (ac_total + a) * 0.5f <= PASS1_LIMIT;
+}
+
 static inline int block_ok(const Block *o, int32_t pred, int q0, int32_t *pos, int32_t *val) {
   int32_t dq = pred * q0;
   if (dq > COEF_LIMIT || dq < -COEF_LIMIT) return E_RANGE;
-  float a = fabsf((float)dq);
-  /* Cheap bounds first: |output| <= sum |F| * max|basis|, |first pass| <= sum |F| / 2. */
-  if (o->ac_bound + a * weight[0] <= OUTPUT_LIMIT && (o->ac_total + a) * 0.5f <= PASS1_LIMIT) return OK;
+  if (cheap_bounds_hold(o->ac_bound, o->ac_total, dq)) return OK; /* the exact IDCT only where they fail */
   pos[o->nz] = 0, val[o->nz] = dq;
   return block_in_range(pos, val, o->nz + 1) ? OK : E_RANGE;
 }
@@ -617,8 +623,8 @@ static int check_parallel(const Ctx *cx, size_t blocks, int threads, size_t *end
       }
       int c = cx->comp[j];
       pred[c] += r->diff;
-      float a = fabsf((float)pred[c] * cx->q[j][0]);
-      if (a > COEF_LIMIT || r->ac_bound + a * weight[0] > OUTPUT_LIMIT || (r->ac_total + a) * 0.5f > PASS1_LIMIT) {
+      int32_t dq = pred[c] * cx->q[j][0];
+      if (dq > COEF_LIMIT || dq < -COEF_LIMIT || !cheap_bounds_hold(r->ac_bound, r->ac_total, dq)) {
         /* block_ok as the one-thread check calls it, with the coefficients decoded once more */
         size_t again = r->bp;
         Block b;

@@ -22,13 +22,15 @@ import tempfile
 import threading
 from pathlib import Path
 
+from backends.folders import own_private_folder
+from backends.preprocess.host_threads import THREADS  # a large scan's check: at most as many threads
+
 SOURCE = Path(__file__).with_name("scan_check.c")
-# -ffp-contract=off: the one-thread check and the walk compute the same float bounds in two places, and
-# must round them alike.
+# -ffp-contract=off: the float bounds round the same wherever they are inlined (the one-thread check and
+# the threads' walk must agree).
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
-# Threads one large scan is checked on (scan_check.c gives each at least 32 KB of scan; its pool of
-# threads is started on first use and kept).
-THREADS = max(1, min(8, os.cpu_count() or 1))
+# THREADS (host_threads): threads one large scan is checked on (scan_check.c gives each at least 32 KB
+# of scan; its pool of threads is started on first use and kept).
 
 # The C function's answers (0: the GPU route may take the image).
 REASONS = {
@@ -49,6 +51,7 @@ class ScanCheckUnavailable(RuntimeError):
 
 _LOCK = threading.Lock()
 _LIB: ctypes.CDLL | None = None
+_PATH: Path | None = None
 
 
 def cache_dir() -> Path:
@@ -56,24 +59,45 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path(tempfile.gettempdir()) / f"kimi-vision-{os.getuid()}"
 
 
-def _private(folder: Path) -> Path:
-    """The default folder, made ours alone: under a shared temporary folder another user could have
-    created it first and put a library of theirs in it, which we would then load."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise ScanCheckUnavailable(f"{folder} belongs to another user or others may write to it; "
-                                   "set KIMI_BUILD_CACHE to a folder of ours")
-    return folder
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+
+
+def compile_library(source: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """`source` (scan_check.c, or a copy of it a tool changed) built as the served library is, with
+    `extra_flags` after ours (a later -O wins)."""
+    compiler = _compiler()
+    try:
+        done = subprocess.run([*compiler, *_FLAGS, *extra_flags, "-o", str(out), str(source), "-lm"],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise ScanCheckUnavailable(f"{compiler[0]} took more than 300 s to build {source.name}") from None
+    if done.returncode != 0:
+        raise ScanCheckUnavailable(f"{compiler[0]} could not build {source.name}: {done.stderr.strip()[-500:]}")
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its functions typed."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise ScanCheckUnavailable(str(exc)) from None
+    lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
+    lib.kimi_scan_check.restype = ctypes.c_int
+    lib.kimi_scan_walks.restype = lib.kimi_scan_fallbacks.restype = ctypes.c_long
+    return lib
 
 
 def _build() -> Path:
     source = SOURCE.read_bytes()
-    compiler = shlex.split(os.environ.get("CC", "cc")) or ["cc"]
+    compiler = _compiler()
     tag = hashlib.sha256(source + " ".join([*compiler, *_FLAGS, platform.machine()]).encode()).hexdigest()[:16]
     folder = cache_dir()
-    if "KIMI_BUILD_CACHE" not in os.environ:
-        folder = _private(folder)
+    if "KIMI_BUILD_CACHE" not in os.environ:  # the default lies in the shared temporary folder
+        try:
+            own_private_folder(folder)
+        except OSError as exc:
+            raise ScanCheckUnavailable(f"{exc}; set KIMI_BUILD_CACHE to a folder of ours") from None
     target = folder / f"scan_check-{tag}.so"
     if target.exists():
         return target
@@ -84,13 +108,7 @@ def _build() -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        try:
-            done = subprocess.run([*compiler, *_FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=300)
-        except subprocess.TimeoutExpired:
-            raise ScanCheckUnavailable(f"{compiler[0]} took more than 300 s to build {SOURCE.name}") from None
-        if done.returncode != 0:
-            raise ScanCheckUnavailable(f"{compiler[0]} could not build {SOURCE.name}: {done.stderr.strip()[-500:]}")
+        compile_library(SOURCE, Path(partial))
         os.chmod(partial, 0o755)  # mkstemp made it ours alone; other users of a shared cache load it too
         os.replace(partial, target)
     finally:
@@ -100,19 +118,21 @@ def _build() -> Path:
 
 
 def library() -> ctypes.CDLL:
-    """The compiled check, built on first use."""
-    global _LIB
+    """The compiled check, built on first use (its path: library_path())."""
+    global _LIB, _PATH
+    if _LIB is not None:  # every check asks: no lock once loaded
+        return _LIB
     with _LOCK:
         if _LIB is None:
-            try:
-                lib = ctypes.CDLL(str(_build()))
-            except OSError as exc:
-                raise ScanCheckUnavailable(str(exc)) from None
-            lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
-            lib.kimi_scan_check.restype = ctypes.c_int
-            lib.kimi_scan_walks.restype = lib.kimi_scan_fallbacks.restype = ctypes.c_long
-            _LIB = lib
+            path = _build()
+            _LIB, _PATH = load(path), path
     return _LIB
+
+
+def library_path() -> Path:
+    """Where the loaded library was built (loads it first)."""
+    library()
+    return _PATH
 
 
 def check(blob: bytes, threads: int = THREADS, max_pixels: int = 0) -> str | None:

@@ -77,7 +77,8 @@ def test_self_check_counts_a_single_differing_pixel_and_survives_a_raise(monkeyp
     file, turns it off and says which."""
     from concurrent.futures import Future
 
-    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", lambda device: object())  # decode_async is replaced below
+    # decode_async is replaced below; close() is what the decoder is asked when it is turned off
+    monkeypatch.setattr(jpeg_gpu, "HardwareJpegDecoder", lambda device: SimpleNamespace(close=lambda: None))
 
     def decode_async(self, blobs, images):
         if fault == "raise":
@@ -117,6 +118,9 @@ class _WrongDecoder:
 
     def unsupported(self, data, info):
         return None
+
+    def close(self):
+        pass
 
     def decode_planes(self, datas, infos):
         """Flat grey planes, laid out as the real one lays them out: per image Y, Cb, Cr in one buffer."""
@@ -233,6 +237,9 @@ class _Event:
         self.queries.append(1)
         return self.done
 
+    def synchronize(self):
+        self.done = True
+
 
 def _decoder_with(done_flags, streams=None):
     from backends.preprocess.nvjpeg import HardwareJpegDecoder
@@ -244,6 +251,13 @@ def _decoder_with(done_flags, streams=None):
     dec._in_flight = deque((_Event(done, queries), [bytes([k])], 1, s) for k, (done, s) in enumerate(zip(done_flags, streams)))
     dec._held_bytes = len(done_flags)
     return dec, queries
+
+
+def test_closing_the_decoder_waits_for_every_decode_then_lets_the_bitstreams_go():
+    dec, _ = _decoder_with([True, False, False], streams=[3, 7, 7])
+    events = [event for event, *_ in dec._in_flight]
+    dec.close()
+    assert all(event.done for event in events) and not dec._in_flight and dec._held_bytes == 0
 
 
 def test_bitstreams_stay_referenced_until_the_stream_has_passed_their_decode():

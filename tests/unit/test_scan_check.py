@@ -156,21 +156,30 @@ def test_a_large_scan_gets_the_same_verdict_on_several_threads():
 
 
 def test_the_default_cache_must_be_ours_alone(monkeypatch, tmp_path):
-    """Under a shared temporary folder someone else could have made the cache folder first and left a
-    library in it: a folder others may write to is refused, and what we build is readable by others
-    (a cache shared on purpose, KIMI_BUILD_CACHE, serves other users)."""
+    """Under a shared temporary folder someone else could have made the cache folder first (or a link
+    there) and left a library in it: a folder of another user, or a link, is refused; one of ours is
+    made ours alone (0700) again; what we build is readable by others (a cache shared on purpose,
+    KIMI_BUILD_CACHE, serves other users)."""
     import os
     import tempfile
 
     monkeypatch.delenv("KIMI_BUILD_CACHE", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     folder = tmp_path / f"kimi-vision-{os.getuid()}"
+    (tmp_path / "elsewhere").mkdir()
+    folder.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(scan_check.ScanCheckUnavailable, match="is not a folder"):
+        scan_check._build()
+    folder.unlink()
     folder.mkdir()
     folder.chmod(0o777)
-    with pytest.raises(scan_check.ScanCheckUnavailable, match="others may write"):
-        scan_check._build()
-    folder.chmod(0o700)
+    owner = os.stat(folder).st_uid
+    with monkeypatch.context() as m:
+        m.setattr(os, "geteuid", lambda: owner + 1)
+        with pytest.raises(scan_check.ScanCheckUnavailable, match="belongs to another user"):
+            scan_check._build()
     built = scan_check._build()
+    assert folder.stat().st_mode & 0o777 == 0o700
     assert built.parent == folder and built.stat().st_mode & 0o777 == 0o755
 
 
