@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
-from contract import BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, PLACEHOLDER
+from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
 from backends.placeholder.expand import expand_placeholders
 from backends.preprocess.decode import open_image
@@ -44,7 +44,6 @@ from clients.samples import encode, photo_like, sample_images
 
 ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE}
 SHM_MODES = ("none", "system", "cuda")
-DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2}
 
 
 def request_images(kind: str) -> list[bytes]:

@@ -50,8 +50,12 @@ def main(argv=None) -> int:
     ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)
     client = KimiVisionClient(url, protocol=args.protocol, admin_key=args.admin_key)
     try:
-        capacity = None if args.output_capacity_mib is None else args.output_capacity_mib << 20
-        result = client.infer(ids, images, media_frames=frames, shm=args.shm, output_capacity=capacity)
+        capacity = {}
+        if args.output_capacity_mib is not None:
+            capacity["output_capacity"] = args.output_capacity_mib << 20
+        elif args.shm != "none":  # sized to this request: one more request, to kimi_placeholder
+            capacity["output_capacity"] = max(1, client.embeds_bytes(ids, images, media_frames=frames))
+        result = client.infer(ids, images, media_frames=frames, shm=args.shm, **capacity)
     except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
         print(f"request failed: {exc}", file=sys.stderr)
         return 1

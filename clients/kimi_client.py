@@ -67,8 +67,6 @@ def _bytes_tensor(images: Sequence[bytes]) -> np.ndarray:
     return np.array(list(images), dtype=np.object_).reshape(-1)
 
 
-_ELEMENT_BYTES = {"BF16": 2, "FP16": 2, "FP32": 4}
-
 # tritonserver answers an unregister that comes right after an infer that used the region with "it is
 # currently in use" about one time in ten (the response still holds it for a moment): retry, for this
 # long, and never leave a region registered silently (docs/triton_runtime.md#known-server-limitations).
@@ -108,7 +106,7 @@ class KimiVisionClient:
         self.client.close()
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
-              shm: str = "none", output_capacity: int | None = None, timeout_s: float | None = None,
+              shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
               outputs: Sequence[str] = OUTPUTS) -> VisionResult:
         """One request through the ensemble (ids and counts alone: through kimi_placeholder).
 
@@ -117,9 +115,9 @@ class KimiVisionClient:
         outputs: the ensemble outputs to ask for (any non-empty subset of contract.OUTPUTS); the
         others come back as None and the server skips the steps only they need. Ids and counts alone
         are asked of kimi_placeholder, which reads only the images' headers.
-        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes, in bytes; None sizes it to the
-        request (embeds_bytes: one more request, to kimi_placeholder, which reads only the images'
-        headers). timeout_s applies to gRPC (a deadline: the
+        output_capacity bounds IMAGE_EMBEDS in the shared-memory modes, in bytes (256 MiB: ~9k FP32 rows
+        of the real model's 7168); embeds_bytes gives a request's exact need, at the cost of one more
+        request (to kimi_placeholder, with the images' bytes). timeout_s applies to gRPC (a deadline: the
         server drops the request's remaining work); an HTTP client's timeouts are set on
         tritonclient.http.InferenceServerClient.
         """
@@ -127,11 +125,6 @@ class KimiVisionClient:
         wanted = _check_outputs(outputs)
         if shm == "none":
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted)
-        if output_capacity is None and shm in ("system", "cuda"):
-            output_capacity = 1
-            if contract.IMAGE_EMBEDS in wanted:
-                output_capacity = max(1, self.embeds_bytes(input_ids, images, media_frames=media_frames,
-                                                           timeout_s=timeout_s))
         if shm == "system":
             return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         if shm == "cuda":
@@ -162,7 +155,7 @@ class KimiVisionClient:
             config = config.get("config", config)
             (out,) = [o for o in config["output"] if o["name"] == contract.IMAGE_EMBEDS]
             width = int(out["dims"][-1])
-            self._embeds_row = width * _ELEMENT_BYTES[out["data_type"].removeprefix("TYPE_")]
+            self._embeds_row = width * contract.DTYPE_BYTES[out["data_type"]]
         return int(np.sum(counts)) * self._embeds_row
 
     def _shape(self, array: np.ndarray) -> list[int]:

@@ -38,6 +38,8 @@ PIXEL_VALUES = "PIXEL_VALUES"
 FORWARD_SUFFIX = "_FORWARD"
 
 OUTPUTS = (EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS)
+# Bytes per element of the model configs' data types (what a shared-memory region is sized with).
+DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2}
 
 
 def chat_prompt_ids(num_media: int, text_ids=(1, 2, 3)) -> list[int]:

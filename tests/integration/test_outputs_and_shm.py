@@ -92,14 +92,15 @@ def test_system_shared_memory_is_unregistered_after_every_call(server, request_a
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_embeddings_region_is_sized_to_the_request(server, request_and_full_answer, protocol):
-    """Without an output_capacity the shared-memory region is sized from the request's token counts
-    (kimi_placeholder, headers only) and the ensemble config's row: exactly the bytes the embeddings
-    take on this (FP32) deployment, enough for the call, and a request the server refuses fails there."""
+    """embeds_bytes sizes the shared-memory region from the request's token counts (kimi_placeholder,
+    headers only) and the ensemble config's row: exactly the bytes the embeddings take on this (FP32)
+    deployment, enough for the call, and a request the server refuses fails there (what clients.infer
+    does when no --output-capacity-mib is given)."""
     ids, blobs, full = request_and_full_answer
     client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
     try:
         assert client.embeds_bytes(ids, blobs) == full.image_embeds.astype(np.float32).nbytes
-        r = client.infer(ids, blobs, shm="system")
+        r = client.infer(ids, blobs, shm="system", output_capacity=client.embeds_bytes(ids, blobs))
         np.testing.assert_array_equal(r.image_embeds, full.image_embeds)
         with pytest.raises(InferenceServerException):
             client.embeds_bytes(ids[:-5], blobs)  # the 1:1 rule, from kimi_placeholder
