@@ -15,7 +15,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 CKPT_ARG := $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
-.PHONY: setup run serve test unit integration validate configs perf soak clean
+.PHONY: setup compiler run serve test unit integration validate configs perf soak clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	@rm -f $(VENV)/.installed-*; touch $@
+
+# The tests build the JPEG scan check (backends/preprocess/scan_check.c) with the host's C compiler.
+compiler:
+	@cc="$${CC:-cc}"; command -v "$${cc%% *}" >/dev/null || { echo "make test needs a C compiler ($$cc; set CC to another): the JPEG scan check's tests build it"; exit 1; }
 
 run: setup
 	$(PY) -m clients.demo --device $(DEVICE) $(CKPT_ARG)
@@ -39,10 +43,10 @@ validate: setup
 configs: setup
 	$(PY) -m backends.deploy.repository --write-source
 
-test: setup validate
+test: setup compiler validate
 	$(PY) -m pytest -q tests
 
-unit: setup
+unit: setup compiler
 	$(PY) -m pytest -q tests/unit
 
 integration: setup

@@ -34,7 +34,12 @@ def test_every_stage_the_docs_tell_a_reader_to_run_exists():
     assert named <= known, f"named but not in the script: {sorted(named - known)}"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def _a_git_work_tree() -> bool:
+    return shutil.which("git") is not None and subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--is-inside-work-tree"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or not _a_git_work_tree(), reason="no bash, or not a git checkout")
 def test_the_before_after_script_parses_and_prepares(tmp_path):
     """tools/stages_ab.sh also runs only on the GPU machine; its `prepare` half runs here."""
     script = ROOT / "tools" / "stages_ab.sh"

@@ -43,8 +43,9 @@ def test_embedding_size_follows_the_checkpoint_config_and_the_device_dtype(tmp_p
     assert max(gpu.values()) == gpu["IMAGE_EMBEDS"]
 
 
-@pytest.mark.parametrize("bad", [["--concurrency", "1,x"], ["--images", "2048"], ["--ensembles", "plain,fast"]])
-def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_path, bad):
+@pytest.mark.parametrize("bad,says", [(["--concurrency", "1,x"], "--concurrency takes"), (["--images", "2048"], "--images must"),
+                                      (["--ensembles", "plain,fast"], "--ensembles takes")])
+def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_path, bad, says):
     """--mps starts a daemon; a run that its own arguments (or a missing perf_analyzer) refuse must stop
     before that, not leave a daemon to clean up."""
     from bench import perf
@@ -54,7 +55,7 @@ def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_pa
     monkeypatch.setattr(perf, "resolve_device", lambda device: "gpu")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "perf_analyzer").write_text("")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match=says):
         perf.main(["--mps", "--perf-dir", str(tmp_path), "--shared-memory", "none", *bad])
     assert started == []
     with pytest.raises(SystemExit, match="not found"):  # no perf_analyzer
