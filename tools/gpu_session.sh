@@ -225,7 +225,8 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
         echo "descriptors on /dev/cpu_dma_latency: $(ls -l /proc/$launcher/fd 2> /dev/null | grep -c cpu_dma_latency)"
         echo "MPS processes on the launcher's pipe folder while serving: $(mps_left 8301)" \
           "(on the machine: control $(pgrep -c -f 'nvidia-cuda-mps-control'), server $(pgrep -c -f '^nvidia-cuda-mps-server'))"
-        # mps.daemon_pids expects the MPS server to carry the pipe folder in its environment: does it?
+        # mps.daemon_pids relies on the MPS server carrying the pipe folder in its environment (seen in the
+        # eighth session, call 2); printed, so that a driver that stops doing so shows here.
         server_pid=$(pgrep -o -f '^nvidia-cuda-mps-server')
         [[ -n $server_pid ]] && echo "MPS server's environment: $(tr '\0' '\n' < /proc/$server_pid/environ | grep '^CUDA_MPS' | tr '\n' ' ')"
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader | head -12
