@@ -1,10 +1,11 @@
-"""Damaged and hostile JPEGs against the scan check built with AddressSanitizer and UBSan (CPU only).
+"""Damaged and hostile JPEGs against the scan check built with AddressSanitizer and UBSan, or with
+ThreadSanitizer (CPU only).
 
-    python tools/scan_check_fuzz.py --seconds 120
+    python tools/scan_check_fuzz.py --seconds 120 [--sanitizer thread]
 
-Builds backends/preprocess/scan_check.c with -fsanitize=address,undefined into a temporary folder, then
+Builds backends/preprocess/scan_check.c with -fsanitize=address,undefined (or thread) into a temporary folder, then
 runs itself again with the sanitizer runtimes preloaded (a Python process must load them first) and
-feeds the check, on 1, 4 and 8 threads: bytes changed anywhere (headers included), truncations,
+feeds the check, on 1, 4 and 8 threads and in batches (scan_check.Checks, some checks dropped): bytes changed anywhere (headers included), truncations,
 insertions, header bytes only, and random bytes after a start marker, built from small and large
 photos (4:4:4, 4:2:2, 4:2:0, gray, restart markers). A memory error or undefined behaviour stops the
 run with the sanitizer's report; otherwise it prints how many inputs got which answer."""
@@ -58,10 +59,32 @@ def mutate(blob: bytes, kind: int, rng) -> bytes:
     return bytes(b)
 
 
-def fuzz(library: str, seconds: float) -> None:
+def batch_differs(lib, blobs: list[bytes], answers: list[str | None], rng) -> int:
+    """The same inputs as one batch (scan_check.Checks on this library), some dropped at once and the
+    rest asked for in a shuffled order: verdicts that differ from the one-by-one answers."""
+    checks = scan_check.Checks(blobs, 4, 0, lib=lib)
+    dropped = set(rng.choice(len(blobs), size=len(blobs) // 4, replace=False).tolist())
+    for k in dropped:
+        checks.drop(k)
+    differ = 0
+    for k in rng.permutation(len(blobs)).tolist():
+        try:
+            got = checks.verdict(k)
+        except scan_check.CheckDropped:
+            if k not in dropped:
+                differ += 1
+            continue
+        differ += got != answers[k]
+    if rng.random() < 0.5:
+        checks.close()  # else freed when collected
+    return differ
+
+
+def fuzz(library: str, seconds: float) -> int:
     lib = scan_check.load(Path(library))
     rng = np.random.default_rng(1)
-    photos, answers, n = bases(), {}, 0
+    photos, answers, n, batches, differ = bases(), {}, 0, 0, 0
+    recent: list[tuple[bytes, str | None]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         blob = mutate(photos[n % len(photos)], n % 5, rng)
@@ -69,28 +92,37 @@ def fuzz(library: str, seconds: float) -> None:
             code = lib.kimi_scan_check(blob, len(blob), threads, 0)
             name = "passed" if code == 0 else scan_check.REASONS.get(code, str(code))
             answers[name] = answers.get(name, 0) + 1
+        recent.append((blob, None if code == 0 else scan_check.REASONS.get(code, f"scan_{code}")))
         n += 1
-    print(f"{n} inputs, each on 1, 4 and 8 threads, no sanitizer report; answers: "
-          + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())))
+        if len(recent) == 8:
+            differ += batch_differs(lib, [b for b, _ in recent], [a for _, a in recent], rng)
+            batches, recent = batches + 1, []
+    print(f"{n} inputs, each on 1, 4 and 8 threads, and {batches} batches of 8 (a quarter dropped): no sanitizer "
+          f"report, {differ} batch verdicts differ; answers: " + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())))
+    return 1 if differ else 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--sanitizer", choices=("address", "thread"), default="address",
+                    help="address: AddressSanitizer and UBSan (memory errors); thread: ThreadSanitizer (data "
+                         "races in the pool and the batches)")
     ap.add_argument("--library", help=argparse.SUPPRESS)  # the sanitized build, in the second process
     args = ap.parse_args(argv)
     if args.library:
-        fuzz(args.library, args.seconds)
-        return 0
+        return fuzz(args.library, args.seconds)
     with tempfile.TemporaryDirectory() as tmp:
-        library = Path(tmp) / "scan_check_asan.so"
+        library = Path(tmp) / f"scan_check_{args.sanitizer}.so"
+        flags, names = {"address": ("address,undefined", ("libasan.so", "libubsan.so")),
+                        "thread": ("thread", ("libtsan.so",))}[args.sanitizer]
         scan_check.compile_library(scan_check.SOURCE, library,
-                                   ("-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"))
+                                   ("-O1", "-g", f"-fsanitize={flags}", "-fno-omit-frame-pointer"))
         cc = scan_check._compiler()
         runtimes = [subprocess.run([*cc, f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
-                    for name in ("libasan.so", "libubsan.so")]
+                    for name in names]
         env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0",
-                   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+                   UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", TSAN_OPTIONS="halt_on_error=1")
         return subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--library", str(library)],
                               env=env).returncode
 

@@ -2,18 +2,26 @@
 
     python tools/scan_check_probe.py [--phases]
     python tools/scan_check_probe.py --agreement 12
+    python tools/scan_check_probe.py --overlap
 
 Prints, per case and per thread count, the best of 5 checks (ms), and Pillow's decode of the same
 files on one core for scale. --phases builds a copy of scan_check.c that also prints, per several-thread
 check, the time of its two decoding phases together and of the walk (stderr). --agreement N checks N
 large photos (1-2.8 MP, four qualities, three samplings, some gray) and 60 damaged copies of each on
-1 and on 2, 3, 5, 8 and 16 threads, and counts verdicts that differ (there must be none)."""
+1 and on 2, 3, 5, 8 and 16 threads, and counts verdicts that differ (there must be none). --overlap
+starts a request's checks, keeps this thread busy in Python for a while (as the request's thread is,
+reading headers and launching the GPU decode), then waits for the verdicts: with the checks queued
+on the C library's threads (scan_check.Checks, served) and, for comparison, submitted one by one to
+Python threads (host_threads.pool(), as served until the batches came), whose workers need the GIL
+to start and to end a check. Prints the median wait after the busy time and the median time from
+the start to the last verdict."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
 import io
+import statistics
 import sys
 import tempfile
 import time
@@ -22,7 +30,7 @@ from pathlib import Path
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from backends.preprocess import scan_check  # noqa: E402
+from backends.preprocess import host_threads, scan_check  # noqa: E402
 from bench.cases import case_jpegs  # noqa: E402
 from clients.samples import encode, photo_like  # noqa: E402
 from oracles.jpeg_corpus import damaged  # noqa: E402
@@ -71,12 +79,54 @@ def agreement(seeds: int) -> int:
     return differ
 
 
+def _busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def overlap(busy_ms=(0.0, 1.0, 2.0, 4.0), rounds: int = 30) -> None:
+    pool = host_threads.pool()
+
+    def batch(blobs):
+        checks = scan_check.Checks(blobs)
+        return [checks.pending(k) for k in range(len(blobs))]
+
+    def python_threads(blobs):
+        return [pool.submit(scan_check.check, b) for b in blobs]
+
+    print(f"host threads {scan_check.THREADS}; medians of {rounds}")
+    print("| case | busy ms | started by | wait after busy ms | start to last verdict ms |")
+    print("|---|---|---|---|---|")
+    for case in ("1x3000^2", "1x1024^2", "8x448^2"):
+        blobs = case_jpegs(case)
+        for busy in busy_ms:
+            for label, start in (("scan_check.Checks", batch), ("Python threads", python_threads)):
+                waits, totals = [], []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    pending = start(blobs)
+                    _busy(busy)
+                    t1 = time.perf_counter()
+                    verdicts = [v.result() for v in pending]
+                    t2 = time.perf_counter()
+                    assert not any(verdicts), verdicts
+                    waits.append((t2 - t1) * 1e3)
+                    totals.append((t2 - t0) * 1e3)
+                print(f"| {case} | {busy:g} | {label} | {statistics.median(waits):.2f} | "
+                      f"{statistics.median(totals):.2f} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", action="store_true")
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--agreement", type=int, default=0, metavar="N")
+    ap.add_argument("--overlap", action="store_true")
     args = ap.parse_args(argv)
+    if args.overlap:
+        overlap()
+        return 0
     if args.agreement:
         return 1 if agreement(args.agreement) else 0
     with tempfile.TemporaryDirectory() as tmp:

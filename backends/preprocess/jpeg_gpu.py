@@ -24,7 +24,7 @@ from PIL import Image
 
 from backends.config import env_flag
 from backends.kernels import jpeg_color
-from backends.preprocess import host_threads, scan_check
+from backends.preprocess import scan_check
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
 from backends.preprocess.views import spacing, stacked
 
@@ -163,16 +163,14 @@ class GpuJpegDecoder:
         return out
 
     def start_checks(self, blobs, max_pixels: int) -> dict:
-        """The scan checks of every blob that opens like a JPEG, started now on the host threads
-        ({index: future}), for a caller that has other work before its decode (Pillow's header reads):
+        """The scan checks of every blob that opens like a JPEG, started now on the scan check's own
+        threads ({index: pending verdict, as a future}), for a caller that has other work before its decode (Pillow's header reads):
         pass them to decode_async, and cancel them when done (a check the decode never asked for).
         Images above `max_pixels` are refused from their header (the request's own check refuses them
         too), so that a decompression bomb costs no scan decode here."""
         if self.decoder is None:
             return {}
-        threads = host_threads.pool()
-        return {i: threads.submit(scan_check.check, b, scan_check.THREADS, max_pixels)
-                for i, b in enumerate(blobs) if bytes(b[:2]) == b"\xff\xd8"}
+        return _start([i for i, b in enumerate(blobs) if bytes(b[:2]) == b"\xff\xd8"], blobs, max_pixels)
 
     def decode_async(self, blobs: list[bytes], images: list[Image.Image],
                      checks: list | None = None) -> tuple[list[torch.Tensor | None], dict]:
@@ -184,14 +182,15 @@ class GpuJpegDecoder:
         this raises, the caller decodes the whole batch with Pillow and counts it so (the checks are
         then cancelled).
 
-        The scans are checked on the host threads (scan_check.py) while this thread reads the headers
+        The scans are checked on the scan check's own threads (scan_check.Checks: started with one call,
+        they need no GIL, so they run beside this thread's Python) while this thread reads the headers
         and launches the decode, and while the caller goes on with the request. `checks`, one per blob,
         are checks the caller started earlier (start_checks; None where it did not): they are used, and
         left to the caller to cancel."""
-        threads = host_threads.pool()
         given = checks or [None] * len(blobs)
-        verdicts = [c if c is not None else threads.submit(scan_check.check, b) for c, b in zip(given, blobs)]
         own = [k for k, c in enumerate(given) if c is None]
+        started = _start(own, blobs, 0)
+        verdicts = [c if c is not None else started[k] for k, c in enumerate(given)]
         try:
             out, pending = self._decode_checked(blobs, images, verdicts)
         except BaseException:
@@ -255,6 +254,14 @@ class GpuJpegDecoder:
         """Counts settled images: on the GPU, or on Pillow by the scan check's reason."""
         for why in verdicts.values():
             self.stats[("pillow", why) if why else ("gpu", "")] += 1
+
+
+def _start(indices: list[int], blobs, max_pixels: int) -> dict:
+    """The scan checks of blobs[i] for i in `indices`, queued at once ({i: pending verdict})."""
+    if not indices:
+        return {}
+    checks = scan_check.Checks([blobs[i] for i in indices], scan_check.THREADS, max_pixels)
+    return {i: checks.pending(k) for k, i in enumerate(indices)}
 
 
 def _convert(planes: list[list[torch.Tensor]], info: JpegInfo) -> torch.Tensor:

@@ -456,23 +456,36 @@ static void track_phase2(Track *t) {
 
 /* ---- a process-wide pool of worker threads ------------------------------------------------------
  * Started on first use and kept (starting a thread per check cost about 0.1 ms each on the GPU
- * machine, as much as a 1024^2 JPEG's share of work). A job never waits for another, and a caller
- * waiting for its jobs runs queued jobs itself, so no set of checks can hold every thread waiting. */
+ * machine, as much as a 1024^2 JPEG's share of work). Two kinds of job: a track's phase, which never
+ * waits, and a whole check (a batch's image, below), which may wait for its own tracks. A thread
+ * waiting for tracks runs queued tracks itself, so no set of checks can hold every thread waiting;
+ * it takes no whole check, so waits never nest deeper than one check inside a verdict's wait. */
+
+struct Batch;
 
 typedef struct Job {
   Track *track;
-  int phase;
-  int *remaining; /* the caller's count of unfinished jobs, under pool_lock */
+  int phase;           /* 1 or 2: a track's phase; 0: image `index` of `batch`, checked whole */
+  int *remaining;      /* phases: the caller's count of unfinished jobs, under pool_lock */
+  struct Batch *batch; /* phase 0 */
+  int index;
   struct Job *next;
 } Job;
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a job was queued */
-static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* some caller's jobs all finished */
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER; /* a caller's tracks or a batch's check finished,
+                                                             or tracks were queued */
 static Job *queue_head, *queue_tail;
 static int workers;
 
+static void run_batch_job(Job *job); /* below, with the batches */
+
 static void run_job(Job *job) { /* called without pool_lock */
+  if (job->phase == 0) {
+    run_batch_job(job);
+    return;
+  }
   if (job->phase == 1)
     decode_from(job->track, job->track->start, 0, 0);
   else
@@ -482,11 +495,31 @@ static void run_job(Job *job) { /* called without pool_lock */
   pthread_mutex_unlock(&pool_lock);
 }
 
-static Job *pop_job(void) { /* under pool_lock */
+/* Takes `job` out of the queue (under pool_lock); 0 if it was not queued. */
+static int unlink_job(Job *job) {
+  Job *prev = NULL;
+  for (Job *j = queue_head; j; prev = j, j = j->next) {
+    if (j != job) continue;
+    if (prev)
+      prev->next = j->next;
+    else
+      queue_head = j->next;
+    if (queue_tail == j) queue_tail = prev;
+    return 1;
+  }
+  return 0;
+}
+
+static void mark_running(Job *job); /* below, with the batches */
+
+/* The first queued job (under pool_lock); with `tracks_only`, the first track's. A thread waiting in
+ * run_phase takes only tracks: a whole check, which may itself wait, would nest on its stack. */
+static Job *pop_job(int tracks_only) {
   Job *job = queue_head;
+  while (job && tracks_only && job->phase == 0) job = job->next;
   if (job) {
-    queue_head = job->next;
-    if (!queue_head) queue_tail = NULL;
+    unlink_job(job);
+    if (job->phase == 0) mark_running(job);
   }
   return job;
 }
@@ -495,7 +528,7 @@ static void *worker(void *unused) {
   (void)unused;
   pthread_mutex_lock(&pool_lock);
   for (;;) {
-    Job *job = pop_job();
+    Job *job = pop_job(0);
     if (!job) {
       pthread_cond_wait(&pool_work, &pool_lock);
       continue;
@@ -542,7 +575,7 @@ static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Trac
   int remaining = last - first;
   pthread_mutex_lock(&pool_lock);
   for (int t = first; t < last; t++) {
-    jobs[t] = (Job){&tr[t], phase, &remaining, NULL};
+    jobs[t] = (Job){&tr[t], phase, &remaining, NULL, 0, NULL};
     if (queue_tail)
       queue_tail->next = &jobs[t];
     else
@@ -550,6 +583,7 @@ static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Trac
     queue_tail = &jobs[t];
   }
   pthread_cond_broadcast(&pool_work);
+  pthread_cond_broadcast(&pool_done); /* a thread waiting for a verdict helps too (kimi_scan_batch_wait) */
   pthread_mutex_unlock(&pool_lock);
   if (mine) {
     if (phase == 1)
@@ -559,7 +593,7 @@ static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Trac
   }
   pthread_mutex_lock(&pool_lock);
   while (remaining > 0) {
-    Job *job = pop_job();
+    Job *job = pop_job(1);
     if (job) {
       pthread_mutex_unlock(&pool_lock);
       run_job(job);
@@ -808,4 +842,114 @@ int kimi_scan_check(const uint8_t *d, size_t n, int threads, uint64_t max_pixels
   int err = check_scan(d, n, p, &g, comp, ncomp, dc, ac, quant, mcus, restart, threads);
   free(g.buf);
   return err;
+}
+
+/* ---- the checks of several JPEGs, started at once and answered one by one ----------------------
+ * A request's checks are queued on the pool with one call and each verdict is asked for when it is
+ * needed. Started from Python threads instead, each check needed the GIL to start and to finish, and
+ * the thread reading the headers and launching the GPU decode holds it most of that time: the checks
+ * of a request's small images then ran after the decode rather than beside it. */
+
+enum { QUEUED = -1, RUNNING = -2, DROPPED = -3 };
+
+typedef struct Batch {
+  int n, threads;
+  uint64_t max_pixels;
+  const uint8_t **data; /* the caller keeps the bytes alive until kimi_scan_batch_free */
+  size_t *len;
+  int *code; /* per image: QUEUED, RUNNING, DROPPED or its verdict (under pool_lock) */
+  Job *jobs;
+} Batch;
+
+static void mark_running(Job *job) { job->batch->code[job->index] = RUNNING; } /* under pool_lock */
+
+static void run_batch_job(Job *job) { /* called without pool_lock, the job marked RUNNING */
+  Batch *b = job->batch;
+  int i = job->index;
+  int code = kimi_scan_check(b->data[i], b->len[i], b->threads, b->max_pixels);
+  pthread_mutex_lock(&pool_lock);
+  b->code[i] = code; /* the batch may be freed as soon as the lock is let go */
+  pthread_cond_broadcast(&pool_done);
+  pthread_mutex_unlock(&pool_lock);
+}
+
+/* Queues the checks of n JPEGs (as kimi_scan_check(data[i], len[i], threads, max_pixels) would
+ * answer them) and returns at once; NULL if out of memory. */
+Batch *kimi_scan_batch_start(int n, const uint8_t **data, const size_t *len, int threads, uint64_t max_pixels) {
+  if (n < 1) return NULL;
+  size_t m = (size_t)n;
+  Batch *b = calloc(1, sizeof *b + m * (sizeof *b->data + sizeof *b->len + sizeof *b->code + sizeof *b->jobs));
+  if (!b) return NULL;
+  b->jobs = (Job *)(b + 1); /* Job first: the strictest alignment */
+  b->data = (const uint8_t **)(b->jobs + m);
+  b->len = (size_t *)(b->data + m);
+  b->code = (int *)(b->len + m);
+  b->n = n, b->threads = threads < 1 ? 1 : threads, b->max_pixels = max_pixels;
+  memcpy(b->data, data, m * sizeof *data);
+  memcpy(b->len, len, m * sizeof *len);
+  pthread_once(&fork_once, register_fork);
+  pthread_mutex_lock(&pool_lock);
+  /* Workers for every image up to `threads` (a thread that waits for a verdict helps too); none at
+   * all only if no thread can be started, and then the waiting thread runs the checks itself. */
+  grow_pool(b->threads < n ? b->threads : n);
+  for (int i = 0; i < n; i++) {
+    b->code[i] = QUEUED;
+    b->jobs[i] = (Job){NULL, 0, NULL, b, i, NULL};
+    if (queue_tail)
+      queue_tail->next = &b->jobs[i];
+    else
+      queue_head = &b->jobs[i];
+    queue_tail = &b->jobs[i];
+  }
+  pthread_cond_broadcast(&pool_work);
+  pthread_mutex_unlock(&pool_lock);
+  return b;
+}
+
+/* Image i's verdict, waiting for it: a queued check runs here at once, and while it runs elsewhere
+ * this thread runs queued jobs (perhaps the tracks of that very check). -3: it was dropped. */
+int kimi_scan_batch_wait(Batch *b, int i) {
+  if (i < 0 || i >= b->n) return E_STRUCTURE;
+  pthread_mutex_lock(&pool_lock);
+  for (;;) {
+    int code = b->code[i];
+    if (code >= 0 || code == DROPPED) {
+      pthread_mutex_unlock(&pool_lock);
+      return code;
+    }
+    Job *job = NULL;
+    if (code == QUEUED) {
+      unlink_job(&b->jobs[i]);
+      mark_running(job = &b->jobs[i]);
+    } else {
+      job = pop_job(0);
+    }
+    if (job) {
+      pthread_mutex_unlock(&pool_lock);
+      run_job(job);
+      pthread_mutex_lock(&pool_lock);
+    } else {
+      pthread_cond_wait(&pool_done, &pool_lock);
+    }
+  }
+}
+
+/* Gives up image i's check if it has not started (its image goes to Pillow whatever it says). */
+void kimi_scan_batch_drop(Batch *b, int i) {
+  if (i < 0 || i >= b->n) return;
+  pthread_mutex_lock(&pool_lock);
+  if (b->code[i] == QUEUED && unlink_job(&b->jobs[i])) b->code[i] = DROPPED;
+  pthread_mutex_unlock(&pool_lock);
+}
+
+/* Drops what has not started, waits for what runs, and frees the batch. */
+void kimi_scan_batch_free(Batch *b) {
+  if (!b) return;
+  pthread_mutex_lock(&pool_lock);
+  for (int i = 0; i < b->n; i++)
+    if (b->code[i] == QUEUED && unlink_job(&b->jobs[i])) b->code[i] = DROPPED;
+  for (int i = 0; i < b->n; i++)
+    while (b->code[i] == RUNNING) pthread_cond_wait(&pool_done, &pool_lock);
+  pthread_mutex_unlock(&pool_lock);
+  free(b);
 }

@@ -4,9 +4,10 @@ and why: docs/jpeg_decoding.md#damaged-scans).
 The C file is compiled with the host's C compiler (`CC`, else `cc`) into a cache folder
 (`KIMI_BUILD_CACHE`, else a per-user folder under the system's temporary folder, which must be ours
 alone), named by a hash of its source, the compiler, the flags and the machine; each process loads it
-once with ctypes. ctypes drops the GIL during the call, so several images can be
-checked on several threads. Without a compiler `ScanCheckUnavailable` is raised: the GPU route then
-stays off and Pillow decodes every JPEG.
+once with ctypes. `check` answers one file on the calling thread; `Checks` starts a request's files
+with one call on the C library's own threads, which never take the GIL, and hands out their verdicts
+as they are asked for. Without a compiler `ScanCheckUnavailable` is raised: the GPU route then stays
+off and Pillow decodes every JPEG.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 from backends.folders import own_private_folder
@@ -30,7 +33,8 @@ SOURCE = Path(__file__).with_name("scan_check.c")
 # the threads' walk must agree).
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # THREADS (host_threads): threads one large scan is checked on (scan_check.c gives each at least 32 KB
-# of scan; its pool of threads is started on first use and kept).
+# of scan), and the threads a batch of checks runs on; the C library's pool of threads is started on
+# first use and kept.
 
 # The C function's answers (0: the GPU route may take the image).
 REASONS = {
@@ -85,6 +89,15 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kimi_scan_check.argtypes = (ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64)
     lib.kimi_scan_check.restype = ctypes.c_int
     lib.kimi_scan_walks.restype = lib.kimi_scan_fallbacks.restype = ctypes.c_long
+    lib.kimi_scan_batch_start.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+                                          ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, ctypes.c_uint64)
+    lib.kimi_scan_batch_start.restype = ctypes.c_void_p
+    lib.kimi_scan_batch_wait.argtypes = (ctypes.c_void_p, ctypes.c_int)
+    lib.kimi_scan_batch_wait.restype = ctypes.c_int
+    lib.kimi_scan_batch_drop.argtypes = lib.kimi_scan_batch_wait.argtypes
+    lib.kimi_scan_batch_drop.restype = None
+    lib.kimi_scan_batch_free.argtypes = (ctypes.c_void_p,)
+    lib.kimi_scan_batch_free.restype = None
     return lib
 
 
@@ -135,13 +148,81 @@ def library_path() -> Path:
     return _PATH
 
 
+def _reason(code: int) -> str | None:
+    return None if code == 0 else REASONS.get(code, f"scan_{code}")
+
+
 def check(blob: bytes, threads: int = THREADS, max_pixels: int = 0) -> str | None:
     """None if the GPU decode of this JPEG must equal Pillow's (a well-formed baseline scan within
     range), else the reason it goes to Pillow. The answer does not depend on `threads`. `max_pixels`
     (0: none) refuses a larger image from its header, before its scan is read."""
     data = bytes(blob)
-    code = library().kimi_scan_check(data, len(data), threads, max_pixels)
-    return None if code == 0 else REASONS.get(code, f"scan_{code}")
+    return _reason(library().kimi_scan_check(data, len(data), threads, max_pixels))
+
+
+class CheckDropped(RuntimeError):
+    """A verdict asked for after its check was dropped."""
+
+
+class Checks:
+    """The checks of several JPEGs, queued at once on the C library's threads and running while the
+    caller goes on; `pending(i)` is file i's verdict to come (a future's result()/cancel()). The bytes
+    stay referenced here until the batch is freed: when this object is collected, or on close()
+    (which drops the checks not started and waits for those running)."""
+
+    def __init__(self, blobs: Sequence, threads: int = THREADS, max_pixels: int = 0, lib: ctypes.CDLL | None = None):
+        lib = lib or library()  # `lib`: a build of a tool's own (load()), else the served one
+        self._lib = lib
+        data = [bytes(b) for b in blobs]  # bytes as they are; anything else copied once
+        n = len(data)
+        if n == 0:
+            raise ValueError("no files to check")
+        handle = lib.kimi_scan_batch_start(n, (ctypes.c_char_p * n)(*data),
+                                           (ctypes.c_size_t * n)(*map(len, data)), threads, max_pixels)
+        if not handle:
+            raise MemoryError("the scan checks could not be queued")
+        self._handle = handle
+        self._free = weakref.finalize(self, _free_batch, lib, handle, data)
+
+    def verdict(self, i: int) -> str | None:
+        """File i's verdict (check()'s answer), waiting for it; a check not yet started runs here."""
+        if not self._free.alive:
+            raise CheckDropped("the checks were closed")
+        code = self._lib.kimi_scan_batch_wait(self._handle, i)
+        if code == -3:
+            raise CheckDropped(f"the check of file {i} was dropped")
+        return _reason(code)
+
+    def drop(self, i: int) -> None:
+        """Gives up file i's check if it has not started."""
+        if self._free.alive:
+            self._lib.kimi_scan_batch_drop(self._handle, i)
+
+    def close(self) -> None:
+        self._free()
+
+    def pending(self, i: int) -> "Pending":
+        return Pending(self, i)
+
+
+def _free_batch(lib: ctypes.CDLL, handle: int, data: list[bytes]) -> None:
+    """Frees a batch; `data`, the bytes its checks read, is held until then."""
+    lib.kimi_scan_batch_free(handle)
+
+
+class Pending:
+    """One file's verdict to come, as a future offers it (result, cancel)."""
+
+    __slots__ = ("checks", "index")
+
+    def __init__(self, checks: Checks, index: int):
+        self.checks, self.index = checks, index
+
+    def result(self) -> str | None:
+        return self.checks.verdict(self.index)
+
+    def cancel(self) -> None:
+        self.checks.drop(self.index)
 
 
 def parallel_counts() -> tuple[int, int]:

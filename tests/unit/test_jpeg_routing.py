@@ -366,13 +366,14 @@ def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(mon
     from backends.preprocess.preprocessor import Preprocessor
     from clients.samples import encode, photo_like
 
-    checked, real = [], scan_check.check
+    checked = []
 
-    def counting(blob, *args):
-        checked.append(bytes(blob[:2]))
-        return real(blob, *args)
+    class Counting(scan_check.Checks):
+        def __init__(self, blobs, *args):
+            checked.extend(bytes(b[:2]) for b in blobs)
+            super().__init__(blobs, *args)
 
-    monkeypatch.setattr(scan_check, "check", counting)
+    monkeypatch.setattr(scan_check, "Checks", Counting)
     monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
     good = encode(photo_like(40, 30, seed=1), "JPEG", quality=90)
     bad = good[:-2] + b"\x12\x34" + good[-2:]

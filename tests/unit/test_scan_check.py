@@ -207,3 +207,88 @@ def test_an_image_above_the_pixel_limit_is_refused_from_its_header(photo_jpeg):
     decode a decompression bomb's scan: max_pixels refuses it from the frame header."""
     assert scan_check.check(photo_jpeg, max_pixels=96 * 64) is None
     assert scan_check.check(photo_jpeg, max_pixels=96 * 64 - 1) == "scan_unsupported"
+
+
+def _batch_files() -> list[bytes]:
+    """Small and large files, well-formed and damaged, and a PNG: what a request's batch may hold."""
+    big = encode(photo_like(1600, 1200, seed=21), "JPEG", quality=90)  # checked on several threads
+    small = [encode(photo_like(64 + 8 * k, 48, seed=k), "JPEG", quality=60 + 5 * k, subsampling=k % 3) for k in range(6)]
+    files = [big, *small, encode(photo_like(40, 30, seed=3), "PNG")]
+    return files + [blob for _, blob in damaged(big, 7, 6) + damaged(small[0], 8, 6)]
+
+
+def test_a_batch_gives_each_file_the_one_by_one_verdict_in_any_order():
+    """scan_check.Checks queues a request's files at once on the C library's threads; each verdict, asked
+    for in any order, is what check() answers for that file alone."""
+    files = _batch_files()
+    expected = [scan_check.check(b) for b in files]
+    assert expected[0] is None and sum(v is not None for v in expected) >= 4  # both kinds present
+    rng = np.random.default_rng(0)
+    for threads in (1, 3, 8):
+        checks = scan_check.Checks(files, threads)
+        order = rng.permutation(len(files)).tolist()
+        assert {k: checks.verdict(k) for k in order} == dict(enumerate(expected)), threads
+        assert checks.pending(0).result() is None  # asked again: the same answer
+        checks.close()
+        with pytest.raises(scan_check.CheckDropped):
+            checks.verdict(0)
+
+
+def test_batches_from_several_threads_at_once_all_finish_with_the_right_verdicts():
+    """Requests of several model threads share the C library's pool: batches queued at once from 4
+    Python threads, some with checks dropped, some never closed, all get their verdicts (none hangs)."""
+    import threading
+
+    files = _batch_files()
+    expected = [scan_check.check(b) for b in files]
+    wrong, errors = [], []
+
+    def requests(seed: int):
+        rng = np.random.default_rng(seed)
+        try:
+            for n in range(6):
+                checks = scan_check.Checks(files, int(rng.integers(1, 9)))
+                dropped = set(rng.choice(len(files), size=4, replace=False).tolist())
+                for k in dropped:
+                    checks.drop(k)
+                for k in rng.permutation(len(files)).tolist():
+                    try:
+                        got = checks.verdict(k)
+                    except scan_check.CheckDropped:
+                        if k not in dropped:
+                            wrong.append((seed, n, k, "dropped"))
+                        continue
+                    if got != expected[k]:
+                        wrong.append((seed, n, k, got))
+                if n % 2:
+                    checks.close()  # else freed when collected, the dropped ones never run
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=requests, args=(s,), daemon=True) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)  # a guard against a hang, not a time limit on the checks
+    assert not any(t.is_alive() for t in threads), "a batch never finished"
+    assert errors == [] and wrong == []
+
+
+def test_a_batch_dropped_while_its_checks_run_is_freed_after_them():
+    """A request that fails drops its checks: those not started never run, those running finish before
+    the batch is freed (the bytes stay referenced until then); the library goes on answering."""
+    import gc
+
+    files = _batch_files()
+    for _ in range(5):
+        checks = scan_check.Checks(files, 2)
+        for k in range(0, len(files), 2):
+            checks.drop(k)
+        del checks
+        gc.collect()
+    assert scan_check.check(files[0]) is None
+
+
+def test_an_empty_batch_is_refused():
+    with pytest.raises(ValueError):
+        scan_check.Checks([])
