@@ -3,9 +3,10 @@
     python -m bench.soak                       # CPU: 2000 requests, concurrency 8 (`make soak`)
     python -m bench.soak --device gpu --requests 10000 --concurrency 16 --checkpoint DIR
 
-A mix of good requests (several sizes, one or two images, both ensembles) and the bad ones of our
-bad-input tests (placeholder/image mismatch, garbage bytes, a header over the pixel limit, too many
-images, bad MEDIA_FRAMES, negative ids), sent by `--concurrency` threads. Every `--sample-every`
+A mix of good requests (several sizes, one or two images, both ensembles, and a JPEG whose damaged
+scan Pillow still decodes, which the GPU route's scan check sends back to Pillow) and the bad ones of
+our bad-input tests (placeholder/image mismatch, garbage bytes, a truncated JPEG, a header over the
+pixel limit, too many images, bad MEDIA_FRAMES, negative ids), sent by `--concurrency` threads. Every `--sample-every`
 requests: the server's process tree memory (RSS and PSS, from /proc; PSS counts shared pages once),
 the server's Python-backend regions in /dev/shm, and on a GPU the device memory in use and, summed
 over the GPU stubs, what torch's caching allocator holds for live tensors (`alloc`, of which our
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import os
 import platform
 import random
@@ -34,6 +36,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from backends.deploy.launcher import BUILD, deployment_server, resolve_device
 from backends.deploy.repository import Deployment
@@ -41,6 +44,7 @@ from backends.deploy.supervisor import processes, scrape
 from backends.serving.metrics import ModelMetrics
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
+from oracles.jpeg_corpus import damaged
 
 
 def png_header_only(width: int, height: int) -> bytes:
@@ -48,6 +52,24 @@ def png_header_only(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     chunk = b"IHDR" + ihdr
     return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+def broken_but_decodable(jpeg: bytes) -> bytes:
+    """A copy of `jpeg` with a damaged scan that Pillow still decodes and, where the C scan check can be
+    built, that the check refuses (so that on a GPU it exercises the second preprocessing pass)."""
+    try:
+        from backends.preprocess import scan_check
+        scan_check.library()
+    except Exception:  # noqa: BLE001 - no compiler: any damage Pillow decodes will do
+        scan_check = None
+    for _, blob in damaged(jpeg, 5, 60):
+        try:
+            Image.open(io.BytesIO(blob)).convert("RGB")
+        except OSError:
+            continue
+        if scan_check is None or scan_check.check(blob) is not None:
+            return blob
+    raise RuntimeError("no damaged copy that Pillow decodes and the scan check refuses")
 
 
 def request_mix(seed: int = 0):
@@ -58,6 +80,7 @@ def request_mix(seed: int = 0):
     card = encode(text_card(300, 200), "PNG")
     big = encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)
     frames = [encode(photo_like(320, 240, seed=10 + i), "JPEG", quality=85) for i in range(3)]
+    broken = broken_but_decodable(photo)
     good = [
         ("small", chat_prompt_ids(1), [small], None, 30),
         ("photo", chat_prompt_ids(1), [photo], None, 25),
@@ -65,10 +88,13 @@ def request_mix(seed: int = 0):
         ("1024^2", chat_prompt_ids(1), [big], None, 8),
         ("chunk + image", chat_prompt_ids(2), frames + [card], [3, 0], 7),
         ("text only", chat_prompt_ids(0), [], None, 5),
+        # Pillow decodes it, the GPU route's scan check refuses it: that request is preprocessed again
+        ("damaged scan", chat_prompt_ids(2), [broken, photo], None, 3),
     ]
     bad = [
         ("1:1 mismatch", chat_prompt_ids(2), [small], None, 3),
         ("garbage bytes", chat_prompt_ids(1), [rng.bytes(300)], None, 3),
+        ("truncated JPEG", chat_prompt_ids(1), [photo[:len(photo) // 2]], None, 2),
         ("pixel limit", chat_prompt_ids(1), [png_header_only(20000, 20000)], None, 1),
         ("65 images", chat_prompt_ids(65), [small] * 65, None, 1),
         ("bad MEDIA_FRAMES", chat_prompt_ids(1), [small], [5], 1),

@@ -164,8 +164,9 @@ class GpuJpegDecoder:
 
     def start_checks(self, blobs, max_pixels: int) -> dict:
         """The scan checks of every blob that opens like a JPEG, started now on the scan check's own
-        threads ({index: pending verdict, as a future}), for a caller that has other work before its decode (Pillow's header reads):
-        pass them to decode_async, and cancel them when done (a check the decode never asked for).
+        threads ({index: scan_check.Pending}), for a caller that has other work before its decode
+        (Pillow's header reads): pass them to decode_async, and cancel them when done (a check the
+        decode never asked for).
         Images above `max_pixels` are refused from their header (the request's own check refuses them
         too), so that a decompression bomb costs no scan decode here."""
         if self.decoder is None:
@@ -238,7 +239,7 @@ class GpuJpegDecoder:
 
     @staticmethod
     def settle(pending: dict) -> dict:
-        """Waits for the scan checks of decode_async's images ({key: future}): {key: None where the GPU's
+        """Waits for the scan checks of decode_async's images ({key: scan_check.Pending}): {key: None where the GPU's
         answer stands, else the reason the image must be decoded by Pillow}. A check that raised sends its
         image to Pillow too."""
         verdicts = {}

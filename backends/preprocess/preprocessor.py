@@ -132,7 +132,7 @@ class Preprocessor:
                 pending: dict, forced: dict, early: dict):
         """Every frame of every media in order, on the device and resized. JPEGs the GPU path takes are
         decoded there in batches of up to GPU_DECODE_PIXELS, their scan checks left in `pending` (image
-        index -> future); the rest by Pillow, up to DECODE_AHEAD frames ahead, `forced` (image index ->
+        index -> pending verdict, scan_check.Pending); the rest by Pillow, up to DECODE_AHEAD frames ahead, `forced` (image index ->
         the scan check's reason, already counted) among them."""
         jobs = [(i, m.plan) for m in plans for i in m.frames]
         on_gpu = set()
@@ -198,8 +198,8 @@ class Preprocessor:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans.
         `cancelled()`, if given, is asked before each media: True raises RequestCancelled.
 
-        GPU-decoded JPEGs are provisional until their scan checks (run on the host threads meanwhile)
-        come back, at the end: if one refuses an image, the request is computed again with that image
+        GPU-decoded JPEGs are provisional until their scan checks (run meanwhile on the scan check's
+        own C threads) come back, at the end: if one refuses an image, the request is computed again with that image
         on Pillow. Damaged files are rare, so the common request pays for its checks only where they
         outlast the rest of its preprocessing."""
         # The scan checks start before the headers are read (Pillow's, on this thread), so that they have

@@ -512,11 +512,14 @@ static int unlink_job(Job *job) {
 
 static void mark_running(Job *job); /* below, with the batches */
 
-/* The first queued job (under pool_lock); with `tracks_only`, the first track's. A thread waiting in
- * run_phase takes only tracks: a whole check, which may itself wait, would nest on its stack. */
+/* The first queued track, else (unless `tracks_only`) the first queued job (under pool_lock). Tracks
+ * first: a large scan's threads are idle workers taking its tracks, not whole checks queued before
+ * them. A thread that waits (in run_phase, or for a verdict) takes only tracks: a whole check, which
+ * may itself wait, would nest on its stack, and one of another request would hold it past its own. */
 static Job *pop_job(int tracks_only) {
   Job *job = queue_head;
-  while (job && tracks_only && job->phase == 0) job = job->next;
+  while (job && job->phase == 0) job = job->next;
+  if (!job && !tracks_only) job = queue_head;
   if (job) {
     unlink_job(job);
     if (job->phase == 0) mark_running(job);
@@ -544,12 +547,14 @@ static void *worker(void *unused) {
  * that is not there: it starts from an empty pool. */
 static void pool_prefork(void) { pthread_mutex_lock(&pool_lock); }
 static void pool_postfork_parent(void) { pthread_mutex_unlock(&pool_lock); }
+static unsigned long generation; /* forks survived: a batch started before one is adopted (below) */
 static void pool_postfork_child(void) {
   pthread_mutex_init(&pool_lock, NULL);
   pthread_cond_init(&pool_work, NULL);
   pthread_cond_init(&pool_done, NULL);
   queue_head = queue_tail = NULL;
   workers = 0;
+  generation++;
 }
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 static void register_fork(void) { pthread_atfork(pool_prefork, pool_postfork_parent, pool_postfork_child); }
@@ -854,6 +859,7 @@ enum { QUEUED = -1, RUNNING = -2, DROPPED = -3 };
 
 typedef struct Batch {
   int n, threads;
+  unsigned long generation; /* of the process that queued its checks (see adopt) */
   uint64_t max_pixels;
   const uint8_t **data; /* the caller keeps the bytes alive until kimi_scan_batch_free */
   size_t *len;
@@ -862,6 +868,16 @@ typedef struct Batch {
 } Batch;
 
 static void mark_running(Job *job) { job->batch->code[job->index] = RUNNING; } /* under pool_lock */
+
+/* In a child forked after the batch started, its checks are in no queue and no thread runs them:
+ * every unanswered one becomes QUEUED again, which the waiting thread then runs itself (under
+ * pool_lock). */
+static void adopt(Batch *b) {
+  if (b->generation == generation) return;
+  for (int i = 0; i < b->n; i++)
+    if (b->code[i] == RUNNING) b->code[i] = QUEUED;
+  b->generation = generation;
+}
 
 static void run_batch_job(Job *job) { /* called without pool_lock, the job marked RUNNING */
   Batch *b = job->batch;
@@ -877,8 +893,9 @@ static void run_batch_job(Job *job) { /* called without pool_lock, the job marke
  * answer them) and returns at once; NULL if out of memory. */
 Batch *kimi_scan_batch_start(int n, const uint8_t **data, const size_t *len, int threads, uint64_t max_pixels) {
   if (n < 1) return NULL;
-  size_t m = (size_t)n;
-  Batch *b = calloc(1, sizeof *b + m * (sizeof *b->data + sizeof *b->len + sizeof *b->code + sizeof *b->jobs));
+  size_t m = (size_t)n, per_image = sizeof(Job) + sizeof(uint8_t *) + sizeof(size_t) + sizeof(int);
+  if (m > (SIZE_MAX - sizeof(Batch)) / per_image) return NULL;
+  Batch *b = calloc(1, sizeof *b + m * per_image);
   if (!b) return NULL;
   b->jobs = (Job *)(b + 1); /* Job first: the strictest alignment */
   b->data = (const uint8_t **)(b->jobs + m);
@@ -889,6 +906,7 @@ Batch *kimi_scan_batch_start(int n, const uint8_t **data, const size_t *len, int
   memcpy(b->len, len, m * sizeof *len);
   pthread_once(&fork_once, register_fork);
   pthread_mutex_lock(&pool_lock);
+  b->generation = generation;
   /* Workers for every image up to `threads` (a thread that waits for a verdict helps too); none at
    * all only if no thread can be started, and then the waiting thread runs the checks itself. */
   grow_pool(b->threads < n ? b->threads : n);
@@ -907,10 +925,12 @@ Batch *kimi_scan_batch_start(int n, const uint8_t **data, const size_t *len, int
 }
 
 /* Image i's verdict, waiting for it: a queued check runs here at once, and while it runs elsewhere
- * this thread runs queued jobs (perhaps the tracks of that very check). -3: it was dropped. */
+ * this thread runs queued tracks (perhaps that very check's). -3: it was dropped; -4: no image i.
+ * Neither this nor kimi_scan_batch_drop/state may run beside kimi_scan_batch_free of the batch. */
 int kimi_scan_batch_wait(Batch *b, int i) {
-  if (i < 0 || i >= b->n) return E_STRUCTURE;
+  if (i < 0 || i >= b->n) return -4;
   pthread_mutex_lock(&pool_lock);
+  adopt(b);
   for (;;) {
     int code = b->code[i];
     if (code >= 0 || code == DROPPED) {
@@ -922,7 +942,7 @@ int kimi_scan_batch_wait(Batch *b, int i) {
       unlink_job(&b->jobs[i]);
       mark_running(job = &b->jobs[i]);
     } else {
-      job = pop_job(0);
+      job = pop_job(1);
     }
     if (job) {
       pthread_mutex_unlock(&pool_lock);
@@ -934,20 +954,40 @@ int kimi_scan_batch_wait(Batch *b, int i) {
   }
 }
 
-/* Gives up image i's check if it has not started (its image goes to Pillow whatever it says). */
-void kimi_scan_batch_drop(Batch *b, int i) {
-  if (i < 0 || i >= b->n) return;
+/* Image i's state without waiting: QUEUED (-1), RUNNING (-2), DROPPED (-3), or its verdict. */
+int kimi_scan_batch_state(Batch *b, int i) {
+  if (i < 0 || i >= b->n) return -4;
   pthread_mutex_lock(&pool_lock);
-  if (b->code[i] == QUEUED && unlink_job(&b->jobs[i])) b->code[i] = DROPPED;
+  adopt(b);
+  int code = b->code[i];
   pthread_mutex_unlock(&pool_lock);
+  return code;
+}
+
+static int drop_locked(Batch *b, int i) { /* under pool_lock: 1 if image i's check will never run */
+  if (b->code[i] != QUEUED) return b->code[i] == DROPPED;
+  unlink_job(&b->jobs[i]); /* not queued only in a child (adopt) */
+  b->code[i] = DROPPED;
+  return 1;
+}
+
+/* Gives up image i's check if it has not started (its image goes to Pillow whatever it says); 1 if
+ * it will never run. */
+int kimi_scan_batch_drop(Batch *b, int i) {
+  if (i < 0 || i >= b->n) return 0;
+  pthread_mutex_lock(&pool_lock);
+  adopt(b);
+  int dropped = drop_locked(b, i);
+  pthread_mutex_unlock(&pool_lock);
+  return dropped;
 }
 
 /* Drops what has not started, waits for what runs, and frees the batch. */
 void kimi_scan_batch_free(Batch *b) {
   if (!b) return;
   pthread_mutex_lock(&pool_lock);
-  for (int i = 0; i < b->n; i++)
-    if (b->code[i] == QUEUED && unlink_job(&b->jobs[i])) b->code[i] = DROPPED;
+  adopt(b);
+  for (int i = 0; i < b->n; i++) drop_locked(b, i);
   for (int i = 0; i < b->n; i++)
     while (b->code[i] == RUNNING) pthread_cond_wait(&pool_done, &pool_lock);
   pthread_mutex_unlock(&pool_lock);

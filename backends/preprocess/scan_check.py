@@ -94,8 +94,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kimi_scan_batch_start.restype = ctypes.c_void_p
     lib.kimi_scan_batch_wait.argtypes = (ctypes.c_void_p, ctypes.c_int)
     lib.kimi_scan_batch_wait.restype = ctypes.c_int
-    lib.kimi_scan_batch_drop.argtypes = lib.kimi_scan_batch_wait.argtypes
-    lib.kimi_scan_batch_drop.restype = None
+    lib.kimi_scan_batch_drop.argtypes = lib.kimi_scan_batch_state.argtypes = lib.kimi_scan_batch_wait.argtypes
+    lib.kimi_scan_batch_drop.restype = lib.kimi_scan_batch_state.restype = ctypes.c_int
     lib.kimi_scan_batch_free.argtypes = (ctypes.c_void_p,)
     lib.kimi_scan_batch_free.restype = None
     return lib
@@ -161,44 +161,75 @@ def check(blob: bytes, threads: int = THREADS, max_pixels: int = 0) -> str | Non
 
 
 class CheckDropped(RuntimeError):
-    """A verdict asked for after its check was dropped."""
+    """A verdict asked for after its check was dropped, or after the batch was closed."""
+
+
+_QUEUED, _RUNNING, _DROPPED, _NO_SUCH = -1, -2, -3, -4  # scan_check.c's states of a batch's check
 
 
 class Checks:
     """The checks of several JPEGs, queued at once on the C library's threads and running while the
-    caller goes on; `pending(i)` is file i's verdict to come (a future's result()/cancel()). The bytes
-    stay referenced here until the batch is freed: when this object is collected, or on close()
-    (which drops the checks not started and waits for those running)."""
+    caller goes on; `pending(i)` is file i's verdict to come (result/cancel/done, as a future). The
+    bytes stay referenced here until the batch is freed: when this object is collected, or on close()
+    (which drops the checks not started, waits for those running, and for calls of other threads)."""
 
     def __init__(self, blobs: Sequence, threads: int = THREADS, max_pixels: int = 0, lib: ctypes.CDLL | None = None):
         lib = lib or library()  # `lib`: a build of a tool's own (load()), else the served one
         self._lib = lib
         data = [bytes(b) for b in blobs]  # bytes as they are; anything else copied once
-        n = len(data)
+        n = self._n = len(data)
         if n == 0:
             raise ValueError("no files to check")
+        self._cond = threading.Condition()
+        self._calls, self._closed = 0, False  # calls into the batch now; close() waits for them
         handle = lib.kimi_scan_batch_start(n, (ctypes.c_char_p * n)(*data),
                                            (ctypes.c_size_t * n)(*map(len, data)), threads, max_pixels)
         if not handle:
             raise MemoryError("the scan checks could not be queued")
-        self._handle = handle
-        self._free = weakref.finalize(self, _free_batch, lib, handle, data)
+        try:
+            self._handle = handle
+            self._free = weakref.finalize(self, _free_batch, lib, handle, data)
+        except BaseException:  # e.g. an interrupt here: the threads must be done with `data` first
+            lib.kimi_scan_batch_free(handle)
+            raise
+
+    def _call(self, fn, i: int) -> int:
+        if not 0 <= i < self._n:
+            raise IndexError(f"no file {i} in a batch of {self._n}")
+        with self._cond:
+            if self._closed:
+                raise CheckDropped("the checks were closed")
+            self._calls += 1
+        try:
+            return fn(self._handle, i)
+        finally:
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
 
     def verdict(self, i: int) -> str | None:
         """File i's verdict (check()'s answer), waiting for it; a check not yet started runs here."""
-        if not self._free.alive:
-            raise CheckDropped("the checks were closed")
-        code = self._lib.kimi_scan_batch_wait(self._handle, i)
-        if code == -3:
+        code = self._call(self._lib.kimi_scan_batch_wait, i)
+        if code == _DROPPED:
             raise CheckDropped(f"the check of file {i} was dropped")
         return _reason(code)
 
-    def drop(self, i: int) -> None:
-        """Gives up file i's check if it has not started."""
-        if self._free.alive:
-            self._lib.kimi_scan_batch_drop(self._handle, i)
+    def drop(self, i: int) -> bool:
+        """Gives up file i's check if it has not started; True if it will never run."""
+        try:
+            return bool(self._call(self._lib.kimi_scan_batch_drop, i))
+        except CheckDropped:
+            return True
+
+    def done(self, i: int) -> bool:
+        """Whether file i's check has answered or was dropped (nothing waited for)."""
+        return self._call(self._lib.kimi_scan_batch_state, i) not in (_QUEUED, _RUNNING)
 
     def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            while self._calls:
+                self._cond.wait()
         self._free()
 
     def pending(self, i: int) -> "Pending":
@@ -211,7 +242,7 @@ def _free_batch(lib: ctypes.CDLL, handle: int, data: list[bytes]) -> None:
 
 
 class Pending:
-    """One file's verdict to come, as a future offers it (result, cancel)."""
+    """One file's verdict to come, as a future offers it (result, cancel, done)."""
 
     __slots__ = ("checks", "index")
 
@@ -221,8 +252,11 @@ class Pending:
     def result(self) -> str | None:
         return self.checks.verdict(self.index)
 
-    def cancel(self) -> None:
-        self.checks.drop(self.index)
+    def cancel(self) -> bool:
+        return self.checks.drop(self.index)
+
+    def done(self) -> bool:
+        return self.checks.done(self.index)
 
 
 def parallel_counts() -> tuple[int, int]:

@@ -236,21 +236,22 @@ def test_a_batch_gives_each_file_the_one_by_one_verdict_in_any_order():
 
 def test_batches_from_several_threads_at_once_all_finish_with_the_right_verdicts():
     """Requests of several model threads share the C library's pool: batches queued at once from 4
-    Python threads, some with checks dropped, some never closed, all get their verdicts (none hangs)."""
+    Python threads, some with checks dropped, some never closed, all get their verdicts (none hangs).
+    A drop that took effect (True) means the check never ran; one too late leaves the right verdict."""
     import threading
+    import time
 
     files = _batch_files()
     expected = [scan_check.check(b) for b in files]
-    wrong, errors = [], []
+    wrong, errors, drops = [], [], []
 
     def requests(seed: int):
         rng = np.random.default_rng(seed)
         try:
             for n in range(6):
                 checks = scan_check.Checks(files, int(rng.integers(1, 9)))
-                dropped = set(rng.choice(len(files), size=4, replace=False).tolist())
-                for k in dropped:
-                    checks.drop(k)
+                dropped = {k for k in rng.choice(len(files), size=4, replace=False).tolist() if checks.drop(k)}
+                drops.append(len(dropped))
                 for k in rng.permutation(len(files)).tolist():
                     try:
                         got = checks.verdict(k)
@@ -258,7 +259,7 @@ def test_batches_from_several_threads_at_once_all_finish_with_the_right_verdicts
                         if k not in dropped:
                             wrong.append((seed, n, k, "dropped"))
                         continue
-                    if got != expected[k]:
+                    if got != expected[k] or k in dropped:
                         wrong.append((seed, n, k, got))
                 if n % 2:
                     checks.close()  # else freed when collected, the dropped ones never run
@@ -268,10 +269,83 @@ def test_batches_from_several_threads_at_once_all_finish_with_the_right_verdicts
     threads = [threading.Thread(target=requests, args=(s,), daemon=True) for s in range(4)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 300  # a guard against a hang, not a time limit on the checks
     for t in threads:
-        t.join(timeout=300)  # a guard against a hang, not a time limit on the checks
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
     assert not any(t.is_alive() for t in threads), "a batch never finished"
     assert errors == [] and wrong == []
+    assert len(drops) == 24
+
+
+def test_a_batchs_checks_run_without_being_asked_for():
+    """The C library's threads run the checks while the caller does something else: every file of a
+    batch is answered without a verdict being asked for (verdict() would run a queued check on the
+    asking thread, so it could not tell)."""
+    import time
+
+    files = _batch_files()
+    checks = scan_check.Checks(files)
+    deadline = time.monotonic() + 120  # a guard against a hang
+    while not all(checks.done(k) for k in range(len(files))) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(checks.done(k) for k in range(len(files)))
+    assert [checks.verdict(k) for k in range(len(files))] == [scan_check.check(b) for b in files]
+    with pytest.raises(IndexError):
+        checks.verdict(len(files))
+
+
+def test_close_waits_for_a_verdict_asked_on_another_thread():
+    import threading
+
+    big = _batch_files()[0]
+    checks = scan_check.Checks([big] * 4, 1)
+    answers = []
+
+    def ask():
+        try:
+            answers.append(checks.verdict(3))
+        except scan_check.CheckDropped:  # close() came first: also an answer
+            answers.append("closed")
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    checks.close()
+    asker.join(timeout=120)
+    assert not asker.is_alive() and answers in ([None], ["closed"])
+    with pytest.raises(scan_check.CheckDropped):
+        checks.verdict(0)
+    assert checks.drop(0) is True
+
+
+def test_a_child_forked_while_checks_run_answers_them_itself():
+    """After a fork the child has none of the pool's threads: its unanswered checks (queued, or running
+    in the parent) are run by the thread that asks, with the same verdicts."""
+    import os
+    import time
+    import warnings
+
+    files = _batch_files()
+    expected = [scan_check.check(b) for b in files]
+    checks = scan_check.Checks(files, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the point of the test
+        pid = os.fork()
+    if pid == 0:  # the child: answer, then leave without running the parent's pytest machinery
+        ok = [checks.verdict(k) for k in range(len(files))] == expected
+        checks.close()
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120  # a guard against a hung child
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child never answered its checks")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [checks.verdict(k) for k in range(len(files))] == expected  # the parent's are untouched
 
 
 def test_a_batch_dropped_while_its_checks_run_is_freed_after_them():
