@@ -61,13 +61,19 @@ def mutate(blob: bytes, kind: int, rng) -> bytes:
     return bytes(b)
 
 
-def batch_differs(lib, blobs: list[bytes], answers: list[str | None], seed: int) -> tuple[int, int]:
+def batch_differs(lib, blobs: list[bytes], answers: list[str | None], seed: int) -> tuple[int, int, int]:
     """The same inputs as one batch (scan_check.Checks on this library), drops asked for a quarter of
     them at once and the rest asked for in a shuffled order: (verdicts that differ from the one-by-one
-    answers, drops that took effect). A drop that took effect must raise; one too late must answer."""
+    answers, drops that took effect, 1 if the batch was collected while a check still ran and kept
+    aside). A drop that took effect must raise; one too late must answer. Half the batches are closed,
+    half collected, some of those right after their drops, while checks may still run."""
     rng = np.random.default_rng(seed)
     checks = scan_check.Checks(blobs, 4, 0, lib=lib)
     dropped = {k for k in rng.choice(len(blobs), size=len(blobs) // 4, replace=False).tolist() if checks.drop(k)}
+    if rng.random() < 0.25:  # collected at once: what still runs keeps the batch aside
+        before = scan_check.sweep_retired()
+        del checks
+        return 0, len(dropped), int(scan_check.sweep_retired() > before)
     differ = 0
     for k in rng.permutation(len(blobs)).tolist():
         try:
@@ -78,13 +84,13 @@ def batch_differs(lib, blobs: list[bytes], answers: list[str | None], seed: int)
         differ += got != answers[k] or k in dropped
     if rng.random() < 0.5:
         checks.close()  # else freed when collected
-    return differ, len(dropped)
+    return differ, len(dropped), 0
 
 
 def fuzz(library: str, seconds: float) -> int:
     lib = scan_check.load(Path(library))
     rng = np.random.default_rng(1)
-    photos, answers, n, batches, differ, drops = bases(), {}, 0, 0, 0, 0
+    photos, answers, n, batches, differ, drops, kept = bases(), {}, 0, 0, 0, 0, 0
     recent: list[tuple[bytes, str | None]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -100,11 +106,15 @@ def fuzz(library: str, seconds: float) -> int:
             with ThreadPoolExecutor(2) as pool:
                 results = list(pool.map(lambda h: batch_differs(lib, [b for b, _ in h[1]], [a for _, a in h[1]], h[0]),
                                         [(n * 2 + k, half) for k, half in enumerate(halves)]))
-            differ += sum(d for d, _ in results)
-            drops += sum(k for _, k in results)
+            differ += sum(r[0] for r in results)
+            drops += sum(r[1] for r in results)
+            kept += sum(r[2] for r in results)
             batches, recent = batches + 2, []
+    while scan_check.sweep_retired():  # every batch kept aside is freed once its checks end
+        time.sleep(0.01)
     print(f"{n} inputs, each on 1, 4 and 8 threads, and {batches} batches of 8, two at a time from two threads "
-          f"({drops} checks dropped before they ran): no sanitizer report, {differ} batch verdicts differ; answers: "
+          f"({drops} checks dropped before they ran, {kept} batches collected while a check ran): "
+          f"no sanitizer report, {differ} batch verdicts differ; answers: "
           + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())))
     return 1 if differ else 0
 

@@ -163,7 +163,7 @@ class GpuJpegDecoder:
         return out
 
     def start_checks(self, blobs, max_pixels: int) -> dict:
-        """The scan checks of every blob that opens like a JPEG, started now on the scan check's own
+        """The scan checks of every blob that opens and ends like a JPEG, started now on the scan check's own
         threads ({index: scan_check.Pending}), for a caller that has other work before its decode
         (Pillow's header reads): pass them to decode_async, and cancel them when done (a check the
         decode never asked for).
@@ -171,7 +171,7 @@ class GpuJpegDecoder:
         too), so that a decompression bomb costs no scan decode here."""
         if self.decoder is None:
             return {}
-        return _start([i for i, b in enumerate(blobs) if bytes(b[:2]) == b"\xff\xd8"], blobs, max_pixels)
+        return _start([i for i, b in enumerate(blobs) if _whole_jpeg(b)], blobs, max_pixels)
 
     def decode_async(self, blobs: list[bytes], images: list[Image.Image],
                      checks: list | None = None) -> tuple[list[torch.Tensor | None], dict]:
@@ -189,9 +189,9 @@ class GpuJpegDecoder:
         are checks the caller started earlier (start_checks; None where it did not): they are used, and
         left to the caller to cancel."""
         given = checks or [None] * len(blobs)
-        own = [k for k, c in enumerate(given) if c is None]
+        own = [k for k, c in enumerate(given) if c is None and bytes(blobs[k][-2:]) == b"\xff\xd9"]
         started = _start(own, blobs, 0)
-        verdicts = [c if c is not None else started[k] for k, c in enumerate(given)]
+        verdicts = [c if c is not None else started.get(k) for k, c in enumerate(given)]
         try:
             out, pending = self._decode_checked(blobs, images, verdicts)
         except BaseException:
@@ -255,6 +255,13 @@ class GpuJpegDecoder:
         """Counts settled images: on the GPU, or on Pillow by the scan check's reason."""
         for why in verdicts.values():
             self.stats[("pillow", why) if why else ("gpu", "")] += 1
+
+
+def _whole_jpeg(blob) -> bool:
+    """Starts and ends with a JPEG's markers. A file that does not end with its end marker is truncated,
+    or has bytes after it: Pillow decides either way (decode_async), so its scan is never checked (and
+    decode_async, given what the route took as JPEGs, checks only those that end so)."""
+    return bytes(blob[:2]) == b"\xff\xd8" and bytes(blob[-2:]) == b"\xff\xd9"
 
 
 def _start(indices: list[int], blobs, max_pixels: int) -> dict:

@@ -982,6 +982,22 @@ int kimi_scan_batch_drop(Batch *b, int i) {
   return dropped;
 }
 
+/* Drops what has not started and frees the batch if nothing runs (0); else leaves it to be released
+ * again later and answers how many checks still run (they read the caller's bytes until then). */
+int kimi_scan_batch_release(Batch *b) {
+  if (!b) return 0;
+  pthread_mutex_lock(&pool_lock);
+  adopt(b);
+  int running = 0;
+  for (int i = 0; i < b->n; i++) {
+    drop_locked(b, i);
+    running += b->code[i] == RUNNING;
+  }
+  pthread_mutex_unlock(&pool_lock);
+  if (!running) free(b);
+  return running;
+}
+
 /* Drops what has not started, waits for what runs, and frees the batch. */
 void kimi_scan_batch_free(Batch *b) {
   if (!b) return;

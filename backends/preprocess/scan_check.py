@@ -12,6 +12,7 @@ off and Pillow decodes every JPEG.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
@@ -96,8 +97,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.kimi_scan_batch_wait.restype = ctypes.c_int
     lib.kimi_scan_batch_drop.argtypes = lib.kimi_scan_batch_state.argtypes = lib.kimi_scan_batch_wait.argtypes
     lib.kimi_scan_batch_drop.restype = lib.kimi_scan_batch_state.restype = ctypes.c_int
-    lib.kimi_scan_batch_free.argtypes = (ctypes.c_void_p,)
+    lib.kimi_scan_batch_free.argtypes = lib.kimi_scan_batch_release.argtypes = (ctypes.c_void_p,)
     lib.kimi_scan_batch_free.restype = None
+    lib.kimi_scan_batch_release.restype = ctypes.c_int
     return lib
 
 
@@ -170,10 +172,13 @@ _QUEUED, _RUNNING, _DROPPED, _NO_SUCH = -1, -2, -3, -4  # scan_check.c's states 
 class Checks:
     """The checks of several JPEGs, queued at once on the C library's threads and running while the
     caller goes on; `pending(i)` is file i's verdict to come (result/cancel/done, as a future). The
-    bytes stay referenced here until the batch is freed: when this object is collected, or on close()
-    (which drops the checks not started, waits for those running, and for calls of other threads)."""
+    bytes stay referenced here until the batch is freed. close() drops the checks not started and
+    waits for those running (and for calls of other threads). A batch collected unclosed waits for
+    nothing: if checks still run (a request that failed, or whose images went to Pillow), it is kept
+    aside with its bytes and freed once they end (swept when the next batch starts, or at exit)."""
 
     def __init__(self, blobs: Sequence, threads: int = THREADS, max_pixels: int = 0, lib: ctypes.CDLL | None = None):
+        sweep_retired()
         lib = lib or library()  # `lib`: a build of a tool's own (load()), else the served one
         self._lib = lib
         data = [bytes(b) for b in blobs]  # bytes as they are; anything else copied once
@@ -188,7 +193,7 @@ class Checks:
             raise MemoryError("the scan checks could not be queued")
         try:
             self._handle = handle
-            self._free = weakref.finalize(self, _free_batch, lib, handle, data)
+            self._free = weakref.finalize(self, _release_batch, lib, handle, data)
         except BaseException:  # e.g. an interrupt here: the threads must be done with `data` first
             lib.kimi_scan_batch_free(handle)
             raise
@@ -225,20 +230,57 @@ class Checks:
         """Whether file i's check has answered or was dropped (nothing waited for)."""
         return self._call(self._lib.kimi_scan_batch_state, i) not in (_QUEUED, _RUNNING)
 
+    def running(self, i: int) -> bool:
+        """Whether file i's check runs now."""
+        return self._call(self._lib.kimi_scan_batch_state, i) == _RUNNING
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
             while self._calls:
                 self._cond.wait()
-        self._free()
+        info = self._free.detach()  # holds the bytes until the batch is freed
+        if info is not None:
+            self._lib.kimi_scan_batch_free(self._handle)
+        del info
 
     def pending(self, i: int) -> "Pending":
         return Pending(self, i)
 
 
-def _free_batch(lib: ctypes.CDLL, handle: int, data: list[bytes]) -> None:
-    """Frees a batch; `data`, the bytes its checks read, is held until then."""
-    lib.kimi_scan_batch_free(handle)
+_RETIRED: list[tuple[ctypes.CDLL, int, list[bytes]]] = []  # batches collected while checks ran
+_RETIRED_LOCK = threading.Lock()
+_EXITING = False
+
+
+def _release_batch(lib: ctypes.CDLL, handle: int, data: list[bytes]) -> None:
+    """A collected batch: freed now if none of its checks runs, else kept aside with `data` (the bytes
+    those checks read) until they end. At exit it waits for them instead."""
+    if _EXITING:
+        lib.kimi_scan_batch_free(handle)
+    elif lib.kimi_scan_batch_release(handle):
+        with _RETIRED_LOCK:
+            _RETIRED.append((lib, handle, data))
+
+
+def sweep_retired() -> int:
+    """Frees the kept-aside batches whose checks have ended; how many are still kept."""
+    with _RETIRED_LOCK:
+        if _RETIRED:
+            _RETIRED[:] = [r for r in _RETIRED if r[0].kimi_scan_batch_release(r[1])]
+        return len(_RETIRED)
+
+
+@atexit.register
+def _free_retired() -> None:
+    """At exit, whether before or after weakref's own exit hook calls the batches' finalizers: from now
+    on a finalizer waits for its checks, and the batches kept aside are freed the same way."""
+    global _EXITING
+    _EXITING = True
+    with _RETIRED_LOCK:
+        for lib, handle, _ in _RETIRED:
+            lib.kimi_scan_batch_free(handle)  # the checks' threads must be done with the bytes
+        _RETIRED.clear()
 
 
 class Pending:

@@ -360,7 +360,7 @@ def test_without_the_scan_check_no_jpeg_goes_to_the_gpu(monkeypatch):
 
 def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(monkeypatch):
     """The checks start with the request (before Pillow reads the headers), a pass done again reuses
-    their answers, and no check is made of what is not a JPEG."""
+    their answers, and no check is made of what is not a JPEG, nor of one with bytes after its end."""
     from backends.config import MediaConfig
     from backends.preprocess import scan_check
     from backends.preprocess.preprocessor import Preprocessor
@@ -386,7 +386,9 @@ def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(mon
     start = dec.start_checks
     monkeypatch.setattr(dec, "start_checks", lambda *a: order.append("checks") or start(*a), raising=False)
     monkeypatch.setattr(pre, "open", lambda blobs: order.append("headers") or Preprocessor.open(pre, blobs))
-    pre([bad, png, good])  # refused `bad`: preprocessed twice
+    trailing = good + b"\x00\x00"  # bytes after the end marker: Pillow decodes it, unchecked
+    pre([bad, png, good, trailing])  # refused `bad`: preprocessed twice
     assert order == ["checks", "headers"]
-    assert checked == [b"\xff\xd8"] * 2  # the two JPEGs, once each over both passes; never the PNG
-    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("pillow", "not_jpeg"): 1, ("gpu", ""): 1})
+    assert checked == [b"\xff\xd8"] * 2  # the two whole JPEGs, once each over both passes; never the PNG
+    assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("pillow", "not_jpeg"): 1, ("gpu", ""): 1,
+                                 ("pillow", "no_end_marker"): 1})

@@ -366,3 +366,23 @@ def test_a_batch_dropped_while_its_checks_run_is_freed_after_them():
 def test_an_empty_batch_is_refused():
     with pytest.raises(ValueError):
         scan_check.Checks([])
+
+
+def test_a_batch_collected_while_its_checks_run_is_kept_aside_then_freed():
+    """A request that ends (or fails) with checks still running does not wait for them: its batch is
+    kept aside with the bytes they read, and freed once they end."""
+    import time
+
+    big = encode(photo_like(3000, 2000, seed=4), "JPEG", quality=95)  # tens of ms on one thread
+    scan_check.sweep_retired()
+    checks = scan_check.Checks([big] * 3, 1)
+    deadline = time.monotonic() + 120  # a guard against a hang
+    while not checks.running(0) and time.monotonic() < deadline:  # a worker has taken the first check
+        time.sleep(0.0002)
+    assert checks.running(0)
+    del checks  # the queued checks are dropped; the running one is not waited for
+    assert scan_check.sweep_retired() == 1  # kept aside
+    while scan_check.sweep_retired() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scan_check.sweep_retired() == 0
+    assert scan_check.check(big) is None
