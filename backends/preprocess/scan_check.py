@@ -13,6 +13,7 @@ off and Pillow decodes every JPEG.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import hashlib
 import os
@@ -191,11 +192,15 @@ class Checks:
                                            (ctypes.c_size_t * n)(*map(len, data)), threads, max_pixels)
         if not handle:
             raise MemoryError("the scan checks could not be queued")
+        self._handle, fin = handle, None
         try:
-            self._handle = handle
-            self._free = weakref.finalize(self, _release_batch, lib, handle, data)
+            fin = weakref.finalize(self, _release_batch, lib, handle, data)
+            fin.atexit = False  # at exit _close_all closes it, waiting for other threads' calls
+            self._free = fin
+            _OPEN.add(self)
         except BaseException:  # e.g. an interrupt here: the threads must be done with `data` first
-            lib.kimi_scan_batch_free(handle)
+            if fin is None or fin.detach() is not None:
+                lib.kimi_scan_batch_free(handle)
             raise
 
     def _call(self, fn, i: int) -> int:
@@ -239,6 +244,7 @@ class Checks:
             self._closed = True
             while self._calls:
                 self._cond.wait()
+        _OPEN.discard(self)
         info = self._free.detach()  # holds the bytes until the batch is freed
         if info is not None:
             self._lib.kimi_scan_batch_free(self._handle)
@@ -248,39 +254,60 @@ class Checks:
         return Pending(self, i)
 
 
-_RETIRED: list[tuple[ctypes.CDLL, int, list[bytes]]] = []  # batches collected while checks ran
-_RETIRED_LOCK = threading.Lock()
+# Batches collected while checks ran, with their bytes. A deque: the finalizer may run inside a
+# collection that a sweep itself set off, on the same thread, so it must append without a lock; a
+# sweep takes each entry out and puts back those still running (one owner at a time, no lock).
+_RETIRED: collections.deque = collections.deque()
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # batches not yet freed (closed at exit)
 _EXITING = False
 
 
 def _release_batch(lib: ctypes.CDLL, handle: int, data: list[bytes]) -> None:
     """A collected batch: freed now if none of its checks runs, else kept aside with `data` (the bytes
-    those checks read) until they end. At exit it waits for them instead."""
-    if _EXITING:
-        lib.kimi_scan_batch_free(handle)
-    elif lib.kimi_scan_batch_release(handle):
-        with _RETIRED_LOCK:
+    those checks read) until they end."""
+    if lib.kimi_scan_batch_release(handle):
+        _RETIRED.append((lib, handle, data))
+        if _EXITING:  # the exit hook may have emptied the deque before this append
+            _drain(wait=True)
+
+
+def _drain(wait: bool) -> None:
+    for _ in range(len(_RETIRED)):
+        try:
+            lib, handle, data = _RETIRED.popleft()
+        except IndexError:
+            return
+        if wait:
+            lib.kimi_scan_batch_free(handle)
+        elif lib.kimi_scan_batch_release(handle):
             _RETIRED.append((lib, handle, data))
 
 
 def sweep_retired() -> int:
     """Frees the kept-aside batches whose checks have ended; how many are still kept."""
-    with _RETIRED_LOCK:
-        if _RETIRED:
-            _RETIRED[:] = [r for r in _RETIRED if r[0].kimi_scan_batch_release(r[1])]
-        return len(_RETIRED)
+    _drain(wait=False)
+    return len(_RETIRED)
 
 
 @atexit.register
-def _free_retired() -> None:
-    """At exit, whether before or after weakref's own exit hook calls the batches' finalizers: from now
-    on a finalizer waits for its checks, and the batches kept aside are freed the same way."""
+def _close_all() -> None:
+    """At exit: every open batch closed (waiting for its running checks and for calls of other threads)
+    and every kept-aside one freed the same way; a batch released from now on is freed at once."""
     global _EXITING
     _EXITING = True
-    with _RETIRED_LOCK:
-        for lib, handle, _ in _RETIRED:
-            lib.kimi_scan_batch_free(handle)  # the checks' threads must be done with the bytes
-        _RETIRED.clear()
+    for checks in list(_OPEN):
+        checks.close()
+    _drain(wait=True)
+
+
+def _after_fork_in_child() -> None:
+    """A child has only the forking thread: no other thread holds a batch's lock or is inside a call."""
+    for checks in list(_OPEN):
+        checks._cond = threading.Condition()
+        checks._calls = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Pending:

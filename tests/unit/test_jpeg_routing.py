@@ -392,3 +392,6 @@ def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(mon
     assert checked == [b"\xff\xd8"] * 2  # the two whole JPEGs, once each over both passes; never the PNG
     assert dec.stats == Counter({("pillow", "scan_extra_bytes"): 1, ("pillow", "not_jpeg"): 1, ("gpu", ""): 1,
                                  ("pillow", "no_end_marker"): 1})
+    checked.clear()  # decode_async on its own starts no check either for a file without its end marker
+    dec.decode([good, trailing], [Image.open(io.BytesIO(b)) for b in (good, trailing)])
+    assert checked == [b"\xff\xd8"]

@@ -307,11 +307,16 @@ def test_close_waits_for_a_verdict_asked_on_another_thread():
         except scan_check.CheckDropped:  # close() came first: also an answer
             answers.append("closed")
 
+    import time
+
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
-    checks.close()
+    deadline = time.monotonic() + 120  # a guard against a hang
+    while checks._calls == 0 and not answers and time.monotonic() < deadline:  # the asker is inside its call
+        time.sleep(0.0002)
+    checks.close()  # must wait for the asker's call to return: it gets its verdict, not "closed"
     asker.join(timeout=120)
-    assert not asker.is_alive() and answers in ([None], ["closed"])
+    assert not asker.is_alive() and answers == [None]
     with pytest.raises(scan_check.CheckDropped):
         checks.verdict(0)
     assert checks.drop(0) is True
@@ -353,6 +358,8 @@ def test_a_batch_dropped_while_its_checks_run_is_freed_after_them():
     the batch is freed (the bytes stay referenced until then); the library goes on answering."""
     import gc
 
+    import time
+
     files = _batch_files()
     for _ in range(5):
         checks = scan_check.Checks(files, 2)
@@ -360,6 +367,10 @@ def test_a_batch_dropped_while_its_checks_run_is_freed_after_them():
             checks.drop(k)
         del checks
         gc.collect()
+    deadline = time.monotonic() + 120  # a guard against a hang
+    while scan_check.sweep_retired() and time.monotonic() < deadline:  # those kept aside end and are freed
+        time.sleep(0.01)
+    assert scan_check.sweep_retired() == 0
     assert scan_check.check(files[0]) is None
 
 
@@ -374,9 +385,10 @@ def test_a_batch_collected_while_its_checks_run_is_kept_aside_then_freed():
     import time
 
     big = encode(photo_like(3000, 2000, seed=4), "JPEG", quality=95)  # tens of ms on one thread
-    scan_check.sweep_retired()
-    checks = scan_check.Checks([big] * 3, 1)
     deadline = time.monotonic() + 120  # a guard against a hang
+    while scan_check.sweep_retired() and time.monotonic() < deadline:  # none left by earlier tests
+        time.sleep(0.01)
+    checks = scan_check.Checks([big] * 3, 1)
     while not checks.running(0) and time.monotonic() < deadline:  # a worker has taken the first check
         time.sleep(0.0002)
     assert checks.running(0)
@@ -386,3 +398,26 @@ def test_a_batch_collected_while_its_checks_run_is_kept_aside_then_freed():
         time.sleep(0.01)
     assert scan_check.sweep_retired() == 0
     assert scan_check.check(big) is None
+
+
+def test_a_process_that_exits_with_checks_running_and_a_thread_waiting_exits_cleanly():
+    """At exit every open batch is closed (waiting for its running checks and for the call of a thread
+    still waiting for a verdict) before the bytes go."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = (
+        "import threading\n"
+        "from backends.preprocess import scan_check\n"
+        "from clients.samples import encode, photo_like\n"
+        "big = encode(photo_like(2000, 1500, seed=4), 'JPEG', quality=95)\n"
+        "kept = scan_check.Checks([big] * 4, 1)\n"
+        "threading.Thread(target=kept.verdict, args=(3,), daemon=True).start()\n"
+        "collected = scan_check.Checks([big] * 2, 1)\n"
+        "del collected\n"
+        "print('exiting')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr[-2000:]
