@@ -241,11 +241,15 @@ class GpuJpegDecoder:
     def settle(pending: dict) -> dict:
         """Waits for the scan checks of decode_async's images ({key: scan_check.Pending}): {key: None where the GPU's
         answer stands, else the reason the image must be decoded by Pillow}. A check that raised sends its
-        image to Pillow too."""
+        image to Pillow too, counted apart when it had been dropped (a bug of ours: a decoded image's
+        check must never be dropped)."""
         verdicts = {}
         for key, verdict in pending.items():
             try:
                 verdicts[key] = verdict.result()
+            except scan_check.CheckDropped:
+                log.exception("the scan check of a GPU-decoded image was dropped; Pillow decodes it")
+                verdicts[key] = "scan_check_dropped"
             except Exception:  # noqa: BLE001 - never keep the GPU's answer unchecked
                 log.exception("the scan check of an image raised; Pillow decodes it")
                 verdicts[key] = "scan_check_error"

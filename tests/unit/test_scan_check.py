@@ -421,3 +421,13 @@ def test_a_process_that_exits_with_checks_running_and_a_thread_waiting_exits_cle
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "exiting", done.stderr[-2000:]
+
+
+def test_a_decoded_images_dropped_check_sends_it_to_pillow_under_its_own_reason():
+    from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+
+    files = _batch_files()[1:3]
+    checks = scan_check.Checks(files)
+    pending = {0: checks.pending(0), 1: checks.pending(1)}
+    checks.close()  # as if something dropped them before settle
+    assert GpuJpegDecoder.settle(pending) == {0: "scan_check_dropped", 1: "scan_check_dropped"}
