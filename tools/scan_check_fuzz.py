@@ -96,10 +96,9 @@ def fuzz(library: str, seconds: float) -> int:
     while time.monotonic() < end:
         blob = mutate(photos[n % len(photos)], n % 5, rng)
         for threads in (1, 4, 8):
-            code = lib.kimi_scan_check(blob, len(blob), threads, 0)
-            name = "passed" if code == 0 else scan_check.REASONS.get(code, str(code))
-            answers[name] = answers.get(name, 0) + 1
-        recent.append((blob, None if code == 0 else scan_check.REASONS.get(code, f"scan_{code}")))
+            why = scan_check.reason_for(lib.kimi_scan_check(blob, len(blob), threads, 0))
+            answers[why or "passed"] = answers.get(why or "passed", 0) + 1
+        recent.append((blob, why))
         n += 1
         if len(recent) == 16:  # two batches of 8 at once, from two threads (they share the pool)
             halves = [recent[:8], recent[8:]]

@@ -189,7 +189,7 @@ class GpuJpegDecoder:
         are checks the caller started earlier (start_checks; None where it did not): they are used, and
         left to the caller to cancel."""
         given = checks or [None] * len(blobs)
-        own = [k for k, c in enumerate(given) if c is None and bytes(blobs[k][-2:]) == b"\xff\xd9"]
+        own = [k for k, c in enumerate(given) if c is None and _ends_as_jpeg(blobs[k])]
         started = _start(own, blobs, 0)
         verdicts = [c if c is not None else started.get(k) for k, c in enumerate(given)]
         try:
@@ -207,7 +207,7 @@ class GpuJpegDecoder:
         counts: Counter = Counter()
         infos: list[JpegInfo | None] = []
         for k, (blob, img) in enumerate(zip(blobs, images)):
-            if not bytes(blob[-2:]) == b"\xff\xd9":
+            if not _ends_as_jpeg(blob):
                 # No end-of-image marker right at the end: a truncated file, which Pillow refuses and the
                 # hardware decoder might fill in; or trailing bytes after it. Pillow decides either way.
                 counts[("pillow", "no_end_marker")] += 1
@@ -261,11 +261,16 @@ class GpuJpegDecoder:
             self.stats[("pillow", why) if why else ("gpu", "")] += 1
 
 
+def _ends_as_jpeg(blob) -> bool:
+    """Ends with the end-of-image marker. A file that does not is truncated, or has bytes after it:
+    Pillow decides either way (decode_async), so its scan is never checked."""
+    return bytes(blob[-2:]) == b"\xff\xd9"
+
+
 def _whole_jpeg(blob) -> bool:
-    """Starts and ends with a JPEG's markers. A file that does not end with its end marker is truncated,
-    or has bytes after it: Pillow decides either way (decode_async), so its scan is never checked (and
-    decode_async, given what the route took as JPEGs, checks only those that end so)."""
-    return bytes(blob[:2]) == b"\xff\xd8" and bytes(blob[-2:]) == b"\xff\xd9"
+    """Starts and ends with a JPEG's markers (decode_async, given what the route took as JPEGs, asks
+    only the end)."""
+    return bytes(blob[:2]) == b"\xff\xd8" and _ends_as_jpeg(blob)
 
 
 def _start(indices: list[int], blobs, max_pixels: int) -> dict:

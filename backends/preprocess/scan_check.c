@@ -574,6 +574,18 @@ static int grow_pool(int wanted) {
   return workers;
 }
 
+/* A waiting thread's step (under pool_lock): runs `job` (taken off the queue) without the lock, or,
+ * with none, sleeps until a job finishes or tracks are queued. */
+static void help_or_wait(Job *job) {
+  if (job) {
+    pthread_mutex_unlock(&pool_lock);
+    run_job(job);
+    pthread_mutex_lock(&pool_lock);
+  } else {
+    pthread_cond_wait(&pool_done, &pool_lock);
+  }
+}
+
 /* Queues one job per track of tr[first..last) for `phase`, runs `mine` here, and returns once all
  * are done (running queued jobs meanwhile). */
 static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Track *mine) {
@@ -597,16 +609,7 @@ static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Trac
       track_phase2(mine);
   }
   pthread_mutex_lock(&pool_lock);
-  while (remaining > 0) {
-    Job *job = pop_job(1);
-    if (job) {
-      pthread_mutex_unlock(&pool_lock);
-      run_job(job);
-      pthread_mutex_lock(&pool_lock);
-    } else {
-      pthread_cond_wait(&pool_done, &pool_lock);
-    }
-  }
+  while (remaining > 0) help_or_wait(pop_job(1));
   pthread_mutex_unlock(&pool_lock);
 }
 
@@ -944,13 +947,7 @@ int kimi_scan_batch_wait(Batch *b, int i) {
     } else {
       job = pop_job(1);
     }
-    if (job) {
-      pthread_mutex_unlock(&pool_lock);
-      run_job(job);
-      pthread_mutex_lock(&pool_lock);
-    } else {
-      pthread_cond_wait(&pool_done, &pool_lock);
-    }
+    help_or_wait(job);
   }
 }
 

@@ -151,7 +151,8 @@ def library_path() -> Path:
     return _PATH
 
 
-def _reason(code: int) -> str | None:
+def reason_for(code: int) -> str | None:
+    """The C function's answer as check() gives it: None (the GPU route may take the image) or a reason."""
     return None if code == 0 else REASONS.get(code, f"scan_{code}")
 
 
@@ -160,7 +161,7 @@ def check(blob: bytes, threads: int = THREADS, max_pixels: int = 0) -> str | Non
     range), else the reason it goes to Pillow. The answer does not depend on `threads`. `max_pixels`
     (0: none) refuses a larger image from its header, before its scan is read."""
     data = bytes(blob)
-    return _reason(library().kimi_scan_check(data, len(data), threads, max_pixels))
+    return reason_for(library().kimi_scan_check(data, len(data), threads, max_pixels))
 
 
 class CheckDropped(RuntimeError):
@@ -222,7 +223,7 @@ class Checks:
         code = self._call(self._lib.kimi_scan_batch_wait, i)
         if code == _DROPPED:
             raise CheckDropped(f"the check of file {i} was dropped")
-        return _reason(code)
+        return reason_for(code)
 
     def drop(self, i: int) -> bool:
         """Gives up file i's check if it has not started; True if it will never run."""
