@@ -15,7 +15,7 @@
 #   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS),
 #   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
-#   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0),
+#   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0; CPULAT_VARIANTS adds spin: cpu_spin),
 #   launcher (the launcher on the GPU, LAUNCHER_ARGS default --cpu-latency-us 0 --mps --encoder-instances 2:
 #   holds the limit, runs its MPS daemon, answers, stops),
 #   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
@@ -176,28 +176,37 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       done ;;
     cpulat)  # without, with and again without backends/deploy/cpu_latency holding the CPU wake-up latency
       # limit at 0: the stage table, or with CPULAT_BENCH=perf perf_analyzer's 8x448^2 at concurrency 1.
+      # CPULAT_VARIANTS picks the runs in order: without, with (the hold), spin (backends/deploy/cpu_spin
+      # keeping every CPU busy under SCHED_IDLE).
       random_checkpoint; : > "$out/stage_cpulat.md"
       case ${CPULAT_BENCH:-stages} in
         perf) perf_setup ;;
         stages) ;;
         *) echo "CPULAT_BENCH: '$CPULAT_BENCH' is neither stages nor perf" | tee -a "$out/stage_cpulat.md" ;;
       esac
+      lscpu | grep -E "^(Model name|Thread\(s\) per core|Core\(s\) per socket|Hypervisor vendor)" | tee -a "$out/stage_cpulat.md"
       i=0
-      for v in without with without; do
+      for v in ${CPULAT_VARIANTS:-without with without}; do
         i=$((i + 1)); holder=; run="$out/cpulat-$i-$v"
         rm -rf "$run" "$run.log"  # a warm machine's earlier run must not pass for this one
-        if [[ $v == with ]]; then
-          python3 -m backends.deploy.cpu_latency & holder=$!; sleep 1
-          kill -0 $holder 2> /dev/null || { echo "cpu_latency could not hold" | tee -a "$out/stage_cpulat.md"; continue; }
+        case $v in
+          without) ;;
+          with) python3 -m backends.deploy.cpu_latency & holder=$! ;;
+          spin) python3 -m backends.deploy.cpu_spin & holder=$! ;;
+          *) echo "CPULAT_VARIANTS: '$v' is none of without, with, spin" | tee -a "$out/stage_cpulat.md"; continue ;;
+        esac
+        if [[ -n $holder ]]; then
+          sleep 1
+          kill -0 $holder 2> /dev/null || { echo "$v: its helper did not start" | tee -a "$out/stage_cpulat.md"; continue; }
         fi
         if [[ ${CPULAT_BENCH:-stages} == perf ]]; then
           timeout -s INT -k 30 150 "${PERF[@]}" --images 8x448 --concurrency 1 --ensembles plain \
             --out "$run" > "$run.log" 2>&1
-          { echo "### $i: $v cpu_latency"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/stage_cpulat.md"
+          { echo "### $i: $v"; cat "$run/perf_summary.md" 2> /dev/null || tail -5 "$run.log"; echo; } >> "$out/stage_cpulat.md"
         else
           timeout -s INT -k 30 200 python3 -m bench.stage_bench --checkpoint /tmp/kimi-random --out "$run" \
             ${STAGE_ARGS:-} > "$run.log" 2>&1
-          { echo "### $i: $v cpu_latency"; grep -E "^\|( case|---| 1x| 8x)" "$run.log"; echo; } >> "$out/stage_cpulat.md"
+          { echo "### $i: $v"; grep -E "^\|( case|---| 1x| 8x)" "$run.log"; echo; } >> "$out/stage_cpulat.md"
         fi
         [[ -n $holder ]] && { kill $holder; wait $holder 2> /dev/null; }
       done
