@@ -3,7 +3,7 @@
 In the server `kimi_preprocess` holds an 8x448^2 request about 1.5 ms longer than the same Preprocessor
 takes in a hot loop in one process (bench/results/h200-2026-12-01-fifth.md). This probe separates the
 candidates, in one process, medians of --iters runs each (host wall time, the GPU synchronized at the end):
-- the calls of one GPU decode: Pillow's header parse, nvJPEG's image info, its stream parse and
+- the calls of one GPU decode: Pillow's header parse (and jpeg_header's, which replaced it), nvJPEG's image info, its stream parse and
   "batched supported" check, the batched decoder's initialization, the decode (also the host time until
   it returns), the colour kernel;
 - the whole Preprocessor call back to back, after an idle gap (what the server's preprocessing sees
@@ -23,6 +23,7 @@ import torch
 from backends.config import DEMO_CONFIG, Limits
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
+from backends.preprocess.decode import open_image
 from backends.preprocess.preprocessor import Preprocessor, open_images
 from bench.cases import case_jpegs
 from bench.gpu_timing import timed
@@ -51,11 +52,13 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
         return [f"{name}: GPU decoding is off ({getattr(jpeg, 'off_reason', 'no GPU')})"]
     dec = jpeg.decoder
     images = open_images(blobs, Limits())
+    lim = Limits().max_image_pixels
     infos = [dec.info(b) for b in blobs]
     for _ in range(5):
         pre(blobs)
     rows = {
-        "Pillow header parse (all images)": lambda: open_images(blobs, Limits()),
+        "Pillow header parse (all images)": lambda: [open_image(b, i, lim, fast=False) for i, b in enumerate(blobs)],
+        "jpeg_header parse (all images)": lambda: [open_image(b, i, lim, fast=True) for i, b in enumerate(blobs)],
         "nvjpegGetImageInfo (all)": lambda: [dec.info(b) for b in blobs],
         "ParseHeader + BatchedSupported (all)": lambda: [dec.unsupported(b, i) for b, i in zip(blobs, infos)],
         "DecodeBatchedInitialize": lambda: dec.lib.nvjpegDecodeBatchedInitialize(dec.handle, dec.state, len(blobs), 1,
