@@ -1,7 +1,7 @@
 """The host threads that preprocessing shares across every Preprocessor of a process: Pillow decodes
-and resizes, which drop the GIL while they work. THREADS also bounds the JPEG scan check's own C
-threads (scan_check.py), which do not use this pool: a Python thread needs the GIL to start and to
-end each job, and a check is short enough for that wait to matter."""
+and resizes, which drop the GIL while they work. The JPEG scan check has its own C threads
+(scan_check.THREADS), not this pool: a Python thread needs the GIL to start and to end each job, and a
+check is short enough for that wait to matter."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ static const uint8_t ZIGZAG[64] = {  /* zigzag index -> natural (row-major) posi
 /* A scan is split among at most this many threads, each with at least this many bytes of it (fewer
  * bytes per thread cost more in starting threads than they save). */
 #define MAX_THREADS 16
-#define PARALLEL_MIN_BYTES 32768
+#define PARALLEL_MIN_BYTES 16384
 
 static float basis[64][64];  /* basis[natural position][pixel]: the exact 2-D IDCT */
 static float column[64][8];  /* column[natural position][row]: the first (column) pass */

@@ -28,15 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.folders import own_private_folder
-from backends.preprocess.host_threads import THREADS  # a large scan's check: at most as many threads
 
 SOURCE = Path(__file__).with_name("scan_check.c")
 # -ffp-contract=off: the float bounds round the same wherever they are inlined (the one-thread check and
 # the threads' walk must agree).
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
-# THREADS (host_threads): threads one large scan is checked on (scan_check.c gives each at least 32 KB
-# of scan), and the threads a batch of checks runs on; the C library's pool of threads is started on
-# first use and kept.
+# THREADS: threads one large scan is checked on (scan_check.c gives each at least 16 KB of scan), and
+# the threads a batch of checks runs on; the C library's pool of threads is started on first use and
+# kept. Every core, up to 16: unlike Pillow's decode threads (host_threads) these never take the GIL,
+# and a check is the longest part of preprocessing a large JPEG, or of eight small ones.
+THREADS = max(1, min(16, os.cpu_count() or 1))
 
 # The C function's answers (0: the GPU route may take the image).
 REASONS = {
