@@ -15,7 +15,7 @@
 #   mps (1024^2 at c=16 without, then with CUDA MPS; MPS_IMAGES, MPS_CONCURRENCY, MPS_VARIANTS),
 #   sustained (the encoder alone in a burst and under sustained load, with the SM clock: bench/encoder_sustained.py),
 #   cpulat (the stage table, or with CPULAT_BENCH=perf perf_analyzer 8x448^2 at c=1, without / with / without
-#   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0; CPULAT_VARIANTS adds spin: cpu_spin),
+#   backends/deploy/cpu_latency holding the CPU wake-up latency limit at 0; CPULAT_VARIANTS picks other orders),
 #   launcher (the launcher on the GPU, LAUNCHER_ARGS default --cpu-latency-us 0 --mps --encoder-instances 2:
 #   holds the limit, runs its MPS daemon, answers, stops),
 #   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
@@ -176,8 +176,7 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
       done ;;
     cpulat)  # without, with and again without backends/deploy/cpu_latency holding the CPU wake-up latency
       # limit at 0: the stage table, or with CPULAT_BENCH=perf perf_analyzer's 8x448^2 at concurrency 1.
-      # CPULAT_VARIANTS picks the runs in order: without, with (the hold), spin (backends/deploy/cpu_spin
-      # keeping every CPU busy under SCHED_IDLE).
+      # CPULAT_VARIANTS picks the runs in order (without or with the hold).
       random_checkpoint; : > "$out/stage_cpulat.md"
       case ${CPULAT_BENCH:-stages} in
         perf) perf_setup ;;
@@ -192,8 +191,7 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
         case $v in
           without) ;;
           with) python3 -m backends.deploy.cpu_latency & holder=$! ;;
-          spin) python3 -m backends.deploy.cpu_spin & holder=$! ;;
-          *) echo "CPULAT_VARIANTS: '$v' is none of without, with, spin" | tee -a "$out/stage_cpulat.md"; continue ;;
+          *) echo "CPULAT_VARIANTS: '$v' is neither without nor with" | tee -a "$out/stage_cpulat.md"; continue ;;
         esac
         if [[ -n $holder ]]; then
           sleep 1

@@ -8,8 +8,8 @@ candidates, in one process, medians of --iters runs each (host wall time, the GP
   it returns), the colour kernel;
 - the whole Preprocessor call back to back, after an idle gap (what the server's preprocessing sees
   while the encoder runs in another process), and after a busy GPU kernel in this process;
-- the idle gap's cost taken apart: this thread spinning through the gap, every core spun (cpu_spin),
-  and the scan checks left out (in this probe only).
+- the idle gap's cost taken apart: this thread spinning through the gap, and the scan checks left out
+  (in this probe only).
 
     python -m tools.preprocess_probe [--iters 30] [--gap-ms 20]
 """
@@ -17,7 +17,6 @@ candidates, in one process, medians of --iters runs each (host wall time, the GP
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from unittest import mock
@@ -25,7 +24,6 @@ from unittest import mock
 import torch
 
 from backends.config import DEMO_CONFIG, Limits
-from backends.deploy import cpu_spin
 from backends.preprocess import jpeg_gpu
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
@@ -85,17 +83,10 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
     out.append(f"| Preprocessor, after a ~{gap_ms:.0f} ms kernel in this process ({cycles:.1e} cycles) | "
                f"{_ms(lambda: pre(blobs), iters, busy):.3f} |")
     # What the idle gap costs, taken apart: this thread kept busy through the gap (its core never idles,
-    # the scan check's threads still sleep); every core kept busy (cpu_spin); the scan checks not run
-    # at all (here only: the GPU's answer taken unchecked, which serving never does).
+    # the scan check's threads still sleep); the scan checks not run at all (here only: the GPU's answer
+    # taken unchecked, which serving never does).
     out.append(f"| Preprocessor, after {gap_ms:.0f} ms of this thread spinning | "
                f"{_ms(lambda: pre(blobs), iters, lambda: _spin_for(gap_ms)):.3f} |")
-    spinners = cpu_spin.start(sorted(os.sched_getaffinity(0)))
-    try:
-        time.sleep(0.2)
-        out.append(f"| Preprocessor, after {gap_ms:.0f} ms idle, every core spun by cpu_spin | "
-                   f"{_ms(lambda: pre(blobs), iters, lambda: time.sleep(gap_ms / 1e3)):.3f} |")
-    finally:
-        cpu_spin.stop(spinners)
     with mock.patch.object(jpeg_gpu, "_start", _unchecked):
         out.append(f"| Preprocessor without scan checks (probe only), back to back | {_ms(lambda: pre(blobs), iters):.3f} |")
         out.append(f"| Preprocessor without scan checks (probe only), after {gap_ms:.0f} ms idle | "
