@@ -1,10 +1,9 @@
 """A plain baseline JPEG's header, read without Pillow: what `Image.open` would report, for less time.
 
 Why: a request's images are opened before anything else (size for the plan, the fields that route a
-JPEG to the GPU), and Pillow's JPEG header parse is Python that reads a byte or two per call: about
-55 us a 448^2 photo on the GPU machine, 0.45 ms of an eight-image request whose whole preprocessing
-takes about 2 ms (bench/results/h200-2026-12-02-second.md). A marker walk over the same bytes costs a
-few microseconds.
+JPEG to the GPU), and Pillow's JPEG header parse is Python that reads a byte or two per call. For eight
+448^2 photos it took 0.465 ms on the GPU machine, this walk over the same bytes 0.117 ms
+(bench/results/h200-2026-12-02-eleventh.md, call 4), of a preprocessing that takes about 2 ms there.
 
 The promise this module keeps: when `read` returns a header, Pillow's `Image.open` of the same bytes
 succeeds and reports the same format, size, mode, bit depth, layers and the `info` fields the GPU route
