@@ -64,11 +64,13 @@ def open_image(data: bytes, index: int, max_pixels: int, fast: bool | None = Non
     FAST_HEADERS): a plain JPEG's header is read by jpeg_header, and a HeaderOnly returned."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise RequestError(f"image {index}: empty or missing image bytes", "undecodable_image")
-    header = jpeg_header.read(data) if (FAST_HEADERS if fast is None else fast) else None
+    # bytes as they come (a memoryview, which may have any shape, as a flat copy)
+    flat = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+    header = jpeg_header.read(flat) if (FAST_HEADERS if fast is None else fast) else None
     if header is not None:
         if header.width * header.height > max_pixels:
             raise _pixel_error(index, header.size, max_pixels)
-        return HeaderOnly(data, header)
+        return HeaderOnly(flat, header)
     with _BOMB_GUARD:
         previous = Image.MAX_IMAGE_PIXELS
         Image.MAX_IMAGE_PIXELS = max_pixels

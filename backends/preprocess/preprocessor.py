@@ -30,7 +30,7 @@ from backends.errors import RequestCancelled
 from backends.kernels import patchify
 from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess import host_threads
-from backends.preprocess.decode import decode_rgb, open_image
+from backends.preprocess.decode import HeaderOnly, decode_rgb, open_image
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from backends.preprocess.media import MediaPlan, check_image_count, plan_media
 from backends.preprocess.normalize import normalization_table
@@ -57,7 +57,7 @@ DECODE_AHEAD = host_threads.THREADS
 GPU_DECODE_PIXELS = 64 << 20
 
 
-def open_images(blobs: Sequence[bytes], limits: Limits) -> list[Image.Image]:
+def open_images(blobs: Sequence[bytes], limits: Limits) -> list[Image.Image | HeaderOnly]:
     """Every image's header, nothing decoded: too many images, garbage and bombs are refused here
     (kimi_placeholder called with IMAGES needs no more than this)."""
     check_image_count(len(blobs), limits)
@@ -101,7 +101,7 @@ class Preprocessor:
         """(path, reason) -> images decoded since start: ("gpu", "") or ("pillow", why)."""
         return self.jpeg.stats if self.jpeg is not None else self._host_only
 
-    def open(self, blobs: Sequence[bytes]) -> list[Image.Image]:
+    def open(self, blobs: Sequence[bytes]) -> list[Image.Image | HeaderOnly]:
         return open_images(blobs, self.limits)
 
     def plan(self, images: Sequence[Image.Image], media_frames=None) -> list[MediaPlan]:

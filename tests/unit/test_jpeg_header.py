@@ -161,3 +161,12 @@ def test_open_image_fast_and_pillow_paths_agree():
             open_image(blob, 3, 64 * 48 - 1, fast=fast_path)
         errors.append((str(exc.value), exc.value.reason))
     assert errors[0] == errors[1] and "pixel" in errors[0][0]
+
+
+def test_open_image_takes_any_memoryview():
+    """A memoryview of any shape is read as its bytes, on both paths."""
+    blob = _save(photo(32, 16, seed=6), quality=80)
+    shaped = memoryview(np.frombuffer(blob + b"\0" * (len(blob) % 2), np.uint8).reshape(-1, 2))
+    for fast_path in (True, False):
+        img = open_image(shaped, 0, 10_000, fast=fast_path)
+        assert img.size == (32, 16)
