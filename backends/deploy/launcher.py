@@ -291,6 +291,9 @@ class TritonServer:
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         else:
+            if self.proc is not None and self.log_path.exists():
+                # A relaunch (the supervisor's restart): the last server's log says why it went, keep it.
+                self.log_path.replace(self.log_path.with_suffix(".previous.log"))
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)

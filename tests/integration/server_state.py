@@ -1,10 +1,19 @@
 """What integration tests read back from the server: a model's inference count from Triton's statistics,
 and values that arrive late. Our metrics reach the server from each stub's sender thread, up to
-ModelMetrics.FLUSH_S after the request: a test that reads them waits for the value instead of reading once."""
+ModelMetrics.FLUSH_S after the request: a test that reads them waits for the value instead of reading once.
+Also the shared server's restarts: tritonserver 2.51 itself can crash on a cancelled gRPC request
+(docs/triton_runtime.md#known-server-limitations), and the supervisor then restarts it."""
 
+import contextlib
 import time
 
+import pytest
 import tritonclient.grpc as grpcclient
+
+# The supervisor notices a dead server within its poll (0.5 s); a restart on 2 busy cores takes a minute
+# or two; more than this is a server that does not come back, which the next test reports.
+NOTICE_S = 5.0
+READY_S = 600.0
 
 
 def counts(server, model: str) -> tuple[int, int]:
@@ -32,3 +41,45 @@ def eventually(read, check, timeout_s: float = 10.0, every_s: float = 0.05):
         if check(value) or time.monotonic() > deadline:
             return value
         time.sleep(every_s)
+
+
+def server_exits(server) -> int:
+    """Times the supervisor found tritonserver itself gone (not a stub) and restarted it."""
+    with server.relay.lock:
+        return server.relay.restarts.get("server_exited", 0)
+
+
+def _grpc_ready(server) -> bool:
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return bool(c.is_server_ready())
+    except Exception:  # noqa: BLE001 - not yet
+        return False
+    finally:
+        c.close()
+
+
+def wait_ready(server, timeout_s: float = READY_S) -> bool:
+    """Ready over HTTP and over gRPC from this process. The second matters: gRPC shares one connection
+    per address across a process's channels, and after failing to connect while the server was down it
+    waits out a backoff (seconds, growing) before trying again, failing every call meanwhile."""
+    return eventually(lambda: server.ready() and _grpc_ready(server), bool, timeout_s=timeout_s, every_s=0.5)
+
+
+@contextlib.contextmanager
+def upstream_crash_tolerated(server):
+    """For a test that cancels a gRPC request: should tritonserver 2.51 crash meanwhile (a race in its gRPC
+    frontend between a cancellation and the request's end, fixed upstream in later releases), the test
+    is marked xfail, naming it, once the supervisor has the server ready again for the tests after it.
+    Any other failure stands."""
+    before = server_exits(server)
+    try:
+        yield
+    except Exception:
+        if eventually(lambda: server_exits(server), lambda n: n > before, timeout_s=NOTICE_S) > before:
+            wait_ready(server)
+            pytest.xfail("tritonserver exited during a cancelled gRPC request (known 2.51 crash; restarted)")
+        raise
+    if server_exits(server) > before:
+        wait_ready(server)
+        pytest.xfail("tritonserver exited during a cancelled gRPC request (known 2.51 crash; restarted)")

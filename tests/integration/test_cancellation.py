@@ -9,7 +9,7 @@ from tritonclient.utils import InferenceServerException
 from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from server_state import eventually
+from server_state import eventually, upstream_crash_tolerated
 
 HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
 
@@ -27,28 +27,30 @@ def _cancelled(server, model) -> float:
 
 def test_a_request_cancelled_by_its_deadline_skips_the_encoder(server, heavy):
     before = _cancelled(server, "moonvit3d")
-    client = KimiVisionClient(server.grpc_url)
-    try:
-        with pytest.raises(InferenceServerException, match="Deadline"):
-            client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.5)
-        # The next request is served; the heavy one was dropped before the encoder ran it (tritonserver
-        # 2.51 lets an ensemble step that is already running finish, so its preprocessing completes).
-        small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
-        assert small.image_embeds.shape[0] == small.token_counts.sum()
-    finally:
-        client.close()
-    assert eventually(lambda: _cancelled(server, "moonvit3d"), lambda v: v == before + 1) == before + 1
+    with upstream_crash_tolerated(server):
+        client = KimiVisionClient(server.grpc_url)
+        try:
+            with pytest.raises(InferenceServerException, match="Deadline"):
+                client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.5)
+            # The next request is served; the heavy one was dropped before the encoder ran it (tritonserver
+            # 2.51 lets an ensemble step that is already running finish, so its preprocessing completes).
+            small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
+            assert small.image_embeds.shape[0] == small.token_counts.sum()
+        finally:
+            client.close()
+        assert eventually(lambda: _cancelled(server, "moonvit3d"), lambda v: v == before + 1) == before + 1
 
 
 def test_preprocessing_called_directly_stops_between_images(server, heavy):
     before = _cancelled(server, "kimi_preprocess")
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    x = grpcclient.InferInput("IMAGES", [HEAVY], "BYTES")
-    x.set_data_from_numpy(np.array(heavy, dtype=np.object_))
-    with pytest.raises(InferenceServerException, match="Deadline"):
-        c.infer("kimi_preprocess", [x], client_timeout=0.3)
-    c.close()
-    # The stub notices at its next check between images; give it the time one image takes at most.
-    cancelled = eventually(lambda: _cancelled(server, "kimi_preprocess"), lambda v: v != before, timeout_s=30,
-                           every_s=0.2)
-    assert cancelled == before + 1
+    with upstream_crash_tolerated(server):
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        x = grpcclient.InferInput("IMAGES", [HEAVY], "BYTES")
+        x.set_data_from_numpy(np.array(heavy, dtype=np.object_))
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            c.infer("kimi_preprocess", [x], client_timeout=0.3)
+        c.close()
+        # The stub notices at its next check between images; give it the time one image takes at most.
+        cancelled = eventually(lambda: _cancelled(server, "kimi_preprocess"), lambda v: v != before, timeout_s=30,
+                               every_s=0.2)
+        assert cancelled == before + 1

@@ -1,6 +1,6 @@
 """A server that survives its own faults: a Python stub killed under load is healed by the supervisor
-(the server restarts, readiness is false meanwhile), the death is counted, and shutdown leaves no
-process and nothing in /dev/shm."""
+(the server restarts, readiness is false meanwhile), the death is counted; so is tritonserver's own
+crash, whose log is kept; and shutdown leaves no process and nothing in /dev/shm."""
 
 import os
 import signal
@@ -58,6 +58,7 @@ def _serves(server, batched: bool) -> bool:
 
 def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
     server = deployment_server(Deployment(device="cpu"), "faults")
+    server.log_path.with_suffix(".previous.log").unlink(missing_ok=True)  # an earlier run's
     prefixes = []
     server.start()
     try:
@@ -82,7 +83,20 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
         load.stop.set()
         load.thread.join()
         assert load.ok > 0
+        # tritonserver itself dying (2.51 can, on a cancelled gRPC request): restarted the same way, counted
+        # apart, and the dead server's log kept beside the new one.
+        os.kill(server.proc.pid, signal.SIGSEGV)
+        deadline, saw_not_ready = time.monotonic() + 90, False
+        while time.monotonic() < deadline:
+            if not server.ready():
+                saw_not_ready = True
+            elif saw_not_ready and _serves(server, batched=False):
+                break
+            time.sleep(0.2)
+        assert saw_not_ready and _serves(server, batched=True), "not serving after tritonserver died"
+        assert "Signal (11) received" in server.log_path.with_suffix(".previous.log").read_text(errors="replace")
         samples = _metrics(server)
+        assert _value(samples, "kimi_vision_server_restarts_total", reason="server_exited") == 1
         for model in MODELS:
             assert _value(samples, "kimi_vision_stub_deaths_total", model=model) == 1, model
         assert _value(samples, "kimi_vision_server_restarts_total", reason="stub_died") == len(MODELS)
