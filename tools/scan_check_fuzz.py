@@ -5,7 +5,7 @@ ThreadSanitizer (CPU only).
 
 Builds backends/preprocess/scan_check.c with -fsanitize=address,undefined (or thread) into a temporary folder, then
 runs itself again with the sanitizer runtimes preloaded (a Python process must load them first) and
-feeds the check, on 1, 4 and 8 threads and in batches (scan_check.Checks, two at a time from two threads, some
+feeds the check, on 1, 4, 8 and 16 threads and in batches (scan_check.Checks, two at a time from two threads, some
 checks dropped): bytes changed anywhere (headers included), truncations,
 insertions, header bytes only, and random bytes after a start marker, built from small and large
 photos (4:4:4, 4:2:2, 4:2:0, gray, restart markers). A memory error or undefined behaviour stops the
@@ -95,7 +95,7 @@ def fuzz(library: str, seconds: float) -> int:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         blob = mutate(photos[n % len(photos)], n % 5, rng)
-        for threads in (1, 4, 8):
+        for threads in (1, 4, 8, 16):
             why = scan_check.reason_for(lib.kimi_scan_check(blob, len(blob), threads, 0))
             answers[why or "passed"] = answers.get(why or "passed", 0) + 1
         recent.append((blob, why))
@@ -111,7 +111,7 @@ def fuzz(library: str, seconds: float) -> int:
             batches, recent = batches + 2, []
     while scan_check.sweep_retired():  # every batch kept aside is freed once its checks end
         time.sleep(0.01)
-    print(f"{n} inputs, each on 1, 4 and 8 threads, and {batches} batches of 8, two at a time from two threads "
+    print(f"{n} inputs, each on 1, 4, 8 and 16 threads, and {batches} batches of 8, two at a time from two threads "
           f"({drops} checks dropped before they ran, {kept} batches collected while a check ran): "
           f"no sanitizer report, {differ} batch verdicts differ; answers: "
           + ", ".join(f"{k} {v}" for k, v in sorted(answers.items())))

@@ -291,9 +291,6 @@ class TritonServer:
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         else:
-            if self.proc is not None and self.log_path.exists():
-                # A relaunch (the supervisor's restart): the last server's log says why it went, keep it.
-                self.log_path.replace(self.log_path.with_suffix(".previous.log"))
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
@@ -326,6 +323,14 @@ class TritonServer:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s; log: {self.log_path}\n{self.log_tail()}")
+
+    def keep_log(self) -> None:
+        """Moves the log file aside (`<stem>.previous.log` beside it) so that the next launch does not
+        overwrite it: the supervisor calls it once per restart, so the kept log is the one of the server
+        that went, whatever the attempts to start it again write. Nothing to keep when the server logs to
+        standard output (stream_log)."""
+        if self.log_path.exists():
+            self.log_path.replace(self.log_path.with_suffix(".previous.log"))
 
     def ready(self) -> bool:
         try:

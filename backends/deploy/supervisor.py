@@ -349,6 +349,7 @@ class Supervisor:
         self.relay.scrape()  # the failures the dead stub caused, while the server still answers
         self.relay.server_replaced()
         self.server.stop(0, stubs_dead=True)
+        self.server.keep_log()  # why it went is in there; the restart writes a new one
         # A stub that dies again right after the last restart: back off instead of looping tightly.
         since = time.monotonic() - self._last_ready
         self._quick_restarts = self._quick_restarts + 1 if since < 60 else 0

@@ -3,7 +3,7 @@
 No EXIF transpose, alpha dropped without compositing, palette/L/CMYK/16-bit converted by Pillow's own
 `convert("RGB")` (docs/kimi_k25.md#decode-and-mode-conversion). An image is opened once (`open_image`
 reads the header: size and format, no pixels) and decoded later from the same handle (`decode_rgb`).
-A plain baseline JPEG's header is read by jpeg_header.py instead of Pillow (the same fields, a tenth of
+A plain baseline JPEG's header is read by jpeg_header.py instead of Pillow (the same fields, about a quarter of
 the time; KIMI_JPEG_HEADER=0 turns that off): its handle, a `HeaderOnly`, opens the file with Pillow
 only if Pillow is to decode it. Every failure is a RequestError naming the image's index, and a size limit names the image's own
 value next to the limit.
@@ -59,9 +59,10 @@ class HeaderOnly:
 
 
 def open_image(data: bytes, index: int, max_pixels: int, fast: bool | None = None) -> Image.Image | HeaderOnly:
-    """The image's handle after reading its header. Pillow's own bomb guard stays on, set to our limit,
-    so that a bomb is refused from its header, before any pixel is decoded. `fast` (default
-    FAST_HEADERS): a plain JPEG's header is read by jpeg_header, and a HeaderOnly returned."""
+    """The image's handle after reading its header: a bomb is refused from its header, before any pixel
+    is decoded. `fast` (default FAST_HEADERS): a plain JPEG's header is read by jpeg_header, its size
+    checked here against the limit, and a HeaderOnly returned; any other image is opened by Pillow with
+    its own bomb guard set to our limit."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise RequestError(f"image {index}: empty or missing image bytes", "undecodable_image")
     # bytes as they come (a memoryview, which may have any shape, as a flat copy)

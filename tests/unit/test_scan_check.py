@@ -124,16 +124,16 @@ def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
 
 
 def test_a_large_scan_gets_the_same_verdict_on_several_threads():
-    """A scan of at least 32 KB per thread is split among threads that decode speculatively from their
+    """A scan of at least 16 KB per thread is split among threads that decode speculatively from their
     chunk's start and merge where they meet the true path: the verdict must be the one-thread one,
     on well-formed files and on damaged ones (damage near a chunk boundary included)."""
     base = encode(photo_like(1600, 1200, seed=11), "JPEG", quality=90)
     gray = encode(photo_like(1600, 1200, seed=12), "JPEG", quality=95)
     gray = encode(Image.open(io.BytesIO(gray)).convert("L"), "JPEG", quality=95)
-    assert len(base) > 8 * 32768 and len(gray) > 8 * 32768  # room for 8 threads
+    assert len(base) > 16 * 16384 and len(gray) > 16 * 16384  # room for 16 threads
     files = [("4:2:0", base), ("gray", gray)] + damaged(base, 5, 45) + damaged(gray, 6, 15)
     start = scan_start(base)
-    for t in (2, 4, 8):  # a stretch dropped right at each chunk boundary (of 2, 4 and 8 threads)
+    for t in (2, 4, 8, 16):  # a stretch dropped right at each chunk boundary (of 2, 4, 8 and 16 threads)
         for k in range(1, t):
             cut = start + (len(base) - start) * k // t
             files.append((f"dropped at {k}/{t}", base[:cut - 3] + base[cut + 2:]))
@@ -141,7 +141,7 @@ def test_a_large_scan_gets_the_same_verdict_on_several_threads():
     walks, fallbacks = scan_check.parallel_counts()
     for label, blob in files:
         one = scan_check.check(blob, threads=1)
-        for threads in (2, 3, 4, 8):
+        for threads in (2, 3, 4, 8, 16):
             assert scan_check.check(blob, threads=threads) == one, (label, threads)
         verdicts[label] = one
     assert verdicts["4:2:0"] is None and verdicts["gray"] is None
