@@ -54,3 +54,20 @@ def test_kimi_profile_torch_is_read_only_when_profiling(monkeypatch):
     monkeypatch.setenv("KIMI_PROFILE_DIR", "/tmp/profile")
     with pytest.raises(ValueError, match="KIMI_PROFILE_TORCH"):
         ExecuteProfiler("m")
+
+
+@pytest.mark.parametrize("value,handle", [("", "HeaderOnly"), ("on", "HeaderOnly"), ("off", "JpegImageFile")])
+def test_kimi_jpeg_header_chooses_who_reads_headers(value, handle):
+    """KIMI_JPEG_HEADER, read once as the process imports the decode module (a stub takes it from the
+    server's environment): a plain JPEG's handle comes from our header reader unless it says off."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import io; from PIL import Image; from backends.preprocess.decode import open_image\n"
+            "buf = io.BytesIO(); Image.new('RGB', (8, 8)).save(buf, 'JPEG')\n"
+            "print(type(open_image(buf.getvalue(), 0, 10**6)).__name__)")
+    env = {**os.environ, "KIMI_JPEG_HEADER": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == handle
