@@ -78,11 +78,11 @@ def open_image(data: bytes, index: int, max_pixels: int, fast: bool | None = Non
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                img = Image.open(io.BytesIO(bytes(data)))
+                img = Image.open(io.BytesIO(flat))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning):
             # Read the header once more with the guard off, only to name the image's own size.
             Image.MAX_IMAGE_PIXELS = None
-            raise _pixel_error(index, Image.open(io.BytesIO(bytes(data))).size, max_pixels) from None
+            raise _pixel_error(index, Image.open(io.BytesIO(flat)).size, max_pixels) from None
         except Exception as exc:  # Pillow raises many types for garbage input
             raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})",
                                "undecodable_image") from None

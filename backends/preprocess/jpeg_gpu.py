@@ -165,7 +165,7 @@ class GpuJpegDecoder:
     def start_checks(self, blobs, max_pixels: int) -> dict:
         """The scan checks of every blob that opens and ends like a JPEG, started now on the scan check's own
         threads ({index: scan_check.Pending}), for a caller that has other work before its decode
-        (Pillow's header reads): pass them to decode_async, and cancel them when done (a check the
+        (the header reads): pass them to decode_async, and cancel them when done (a check the
         decode never asked for).
         Images above `max_pixels` are refused from their header (the request's own check refuses them
         too), so that a decompression bomb costs no scan decode here."""

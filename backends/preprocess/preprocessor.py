@@ -202,8 +202,8 @@ class Preprocessor:
         own C threads) come back, at the end: if one refuses an image, the request is computed again with that image
         on Pillow. Damaged files are rare, so the common request pays for its checks only where they
         outlast the rest of its preprocessing."""
-        # The scan checks start before the headers are read (Pillow's, on this thread), so that they have
-        # as long as possible to finish beside the rest; a pass done again reuses their answers.
+        # The scan checks start before the headers are read (on this thread), so that they have as long
+        # as possible to finish beside the rest; a pass done again reuses their answers.
         early = self.jpeg.start_checks(blobs, self.limits.max_image_pixels) if self.jpeg is not None else {}
         try:
             return self._checked(blobs, media_frames, cancelled, early)

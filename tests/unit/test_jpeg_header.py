@@ -4,6 +4,7 @@ same; damaged headers (cut, bytes replaced, bytes inserted) either give Pillow's
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -14,13 +15,11 @@ from backends.errors import RequestError
 from backends.preprocess import jpeg_header
 from backends.preprocess.decode import HeaderOnly, decode_rgb, open_image
 from backends.preprocess.jpeg_gpu import pillow_reason
+from clients.samples import encode
 from oracles.jpeg_corpus import corpus, photo, pillow_only, scan_start
 
 
-def _save(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", **kw)
-    return buf.getvalue()
+_save = functools.partial(encode, fmt="JPEG")  # image -> JPEG bytes, Pillow's save options as keywords
 
 
 def _segment(marker: int, payload: bytes) -> bytes:
