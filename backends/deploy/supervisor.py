@@ -245,6 +245,9 @@ class Supervisor:
         self.relay = MetricsRelay(metrics_address, metrics_port, server.metrics_url)
         self.public_metrics = f"127.0.0.1:{metrics_port}"
         self._stop = threading.Event()
+        # Set while the server it started last is ready and watched; clear from the moment a restart
+        # begins until the new server is ready (what a caller waits on before relying on the server).
+        self.serving = threading.Event()
         self._thread: threading.Thread | None = None
         self.expected: dict[str, int] = {}
         self.stream_log = False
@@ -274,6 +277,7 @@ class Supervisor:
         """Start and wait until ready (request_stop() abandons the start with a RuntimeError)."""
         self.stream_log = stream_log
         self._start_server(timeout or self.start_timeout)
+        self.serving.set()
         self.relay.start()
         self._thread = threading.Thread(target=self._watch, name="kimi-supervisor", daemon=True)
         self._thread.start()
@@ -281,6 +285,7 @@ class Supervisor:
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
+        self.serving.clear()
         if self._thread is not None:
             self._thread.join()
         self.server.stop(timeout, stubs_dead=bool(self.dead_stubs()))
@@ -342,6 +347,7 @@ class Supervisor:
             self._last_scrape = time.monotonic()
 
     def _restart(self, reason: str, why: str) -> None:
+        self.serving.clear()
         with self.relay.lock:
             self.relay.restarts[reason] += 1
         log.error("%s; restarting tritonserver (its ports close until it is ready again)", why)
@@ -359,9 +365,14 @@ class Supervisor:
         while not self._stop.is_set():
             try:
                 self._start_server(self.start_timeout)
+                self.serving.set()
                 print("kimi-vision supervisor: tritonserver is ready again", flush=True)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
-                log.error("tritonserver did not come back (%s); retrying in %.0f s", exc, delay)
+                kept = ""
+                if not self._stop.is_set() and not self.stream_log:
+                    self.server.keep_log("failed-start")  # the next attempt would overwrite why this one failed
+                    kept = f"; its log is kept as {self.server.log_path.with_suffix('.failed-start.log')}"
+                log.error("tritonserver did not come back (%s)%s; retrying in %.0f s", exc, kept, delay)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 30.0)

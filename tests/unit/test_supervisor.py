@@ -1,6 +1,8 @@
-"""The supervisor's pure parts: which failures count once and how totals survive a server restart."""
+"""The supervisor's pure parts: which failures count once and how totals survive a server restart; and its
+restart sequence on a stand-in server: which logs it keeps and when it says it is serving again."""
 
-from backends.deploy.supervisor import MetricsRelay, failure_counts, model_of, parse_metrics
+from backends.deploy.launcher import TritonServer
+from backends.deploy.supervisor import MetricsRelay, Supervisor, failure_counts, model_of, parse_metrics
 
 SCRAPE = """# HELP nv_inference_request_failure ...
 nv_inference_request_failure{model="kimi_k25_vision",reason="OTHER",version="1"} 4
@@ -37,3 +39,42 @@ def test_totals_survive_a_restart_and_the_private_counter_is_not_republished():
 def test_instance_names_map_to_models():
     assert model_of("kimi_preprocess_batched_0_1") == "kimi_preprocess_batched"
     assert model_of("moonvit3d_2_0") == "moonvit3d"
+
+
+class StandIn:
+    """A server whose first `failing` starts fail the way a crash while starting does; it writes one log
+    per launch, as tritonserver does. keep_log is the real one."""
+
+    metrics_url = "127.0.0.1:9"  # nothing answers there: scrapes find the server down
+    keep_log = TritonServer.keep_log
+
+    def __init__(self, log_path, failing: int):
+        self.log_path, self.failing, self.starts, self.proc = log_path, failing, 0, None
+        self.serving_at_start = []  # what the supervisor said while each start ran
+        self.supervisor = None
+
+    def start(self, timeout, stream_log=False, on_poll=None, should_stop=None):
+        self.starts += 1
+        self.serving_at_start.append(self.supervisor.serving.is_set())
+        self.log_path.write_text(f"launch {self.starts}\n")
+        if self.starts <= self.failing:
+            raise RuntimeError("tritonserver exited with code -11 while starting")
+
+    def stop(self, timeout=0, stubs_dead=False):
+        pass
+
+
+def test_a_restart_keeps_the_log_of_the_server_that_went_and_of_the_start_that_failed(tmp_path):
+    server = StandIn(tmp_path / "tritonserver-x.log", failing=1)
+    sup = server.supervisor = Supervisor(server, metrics_address="127.0.0.1", metrics_port=0)
+    try:
+        server.log_path.write_text("the server that went\n")
+        sup.serving.set()
+        sup._restart("server_exited", "tritonserver exited with code -11")
+        assert server.serving_at_start == [False, False] and sup.serving.is_set()
+        assert (tmp_path / "tritonserver-x.previous.log").read_text() == "the server that went\n"
+        assert (tmp_path / "tritonserver-x.failed-start.log").read_text() == "launch 1\n"
+        assert server.log_path.read_text() == "launch 2\n"
+        assert sup.relay.restarts == {"server_exited": 1}
+    finally:
+        sup.relay.stop()
