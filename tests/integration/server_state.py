@@ -60,10 +60,12 @@ def _grpc_ready(server) -> bool:
 
 
 def wait_ready(server, timeout_s: float = READY_S) -> bool:
-    """Ready over HTTP and over gRPC from this process. The second matters: gRPC shares one connection
-    per address across a process's channels, and after failing to connect while the server was down it
-    waits out a backoff (seconds, growing) before trying again, failing every call meanwhile."""
-    return eventually(lambda: server.ready() and _grpc_ready(server), bool, timeout_s=timeout_s, every_s=0.5)
+    """The supervisor's restart complete, and ready over HTTP and over gRPC from this process. The last
+    matters: gRPC shares one connection per address across a process's channels, and after failing to
+    connect while the server was down it waits out a backoff (seconds, growing) before trying again,
+    failing every call meanwhile."""
+    return eventually(lambda: server.serving.is_set() and server.ready() and _grpc_ready(server), bool,
+                      timeout_s=timeout_s, every_s=0.5)
 
 
 def _segfaulted(server) -> bool:
