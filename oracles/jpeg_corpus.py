@@ -59,10 +59,30 @@ def pillow_only() -> list[tuple[str, bytes, str]]:
             ("cmyk", _save(img.convert("CMYK"), quality=90), "color_space")]
 
 
+def header_segments(blob: bytes) -> list[tuple[int, int, int]]:
+    """(offset of its 0xFF, marker, length field) of each marker segment from after SOI up to and
+    including SOS, walked by their lengths: what the tests edit a header with. A search for the bytes
+    FF DA could stop inside a table instead."""
+    out, i = [], 2
+    while True:
+        if blob[i] != 0xFF:
+            raise ValueError(f"no marker at offset {i}")
+        marker, length = blob[i + 1], int.from_bytes(blob[i + 2:i + 4], "big")
+        out.append((i, marker, length))
+        if marker == 0xDA:
+            return out
+        i += 2 + length
+
+
+def sos_offset(blob: bytes) -> int:
+    """Offset of the SOS marker's 0xFF."""
+    return header_segments(blob)[-1][0]
+
+
 def scan_start(blob: bytes) -> int:
     """Offset of the first byte of the entropy-coded data (after the SOS segment)."""
-    sos = blob.index(b"\xff\xda")
-    return sos + 2 + int.from_bytes(blob[sos + 2:sos + 4], "big")
+    i, _, length = header_segments(blob)[-1]
+    return i + 2 + length
 
 
 def damaged(blob: bytes, seed: int, count: int) -> list[tuple[str, bytes]]:

@@ -15,6 +15,7 @@ from backends.kernels import jpeg_color
 from backends.preprocess import jpeg_gpu
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder, pillow_reason
 from backends.preprocess.nvjpeg import JpegInfo
+from oracles.jpeg_corpus import header_segments, sos_offset
 
 
 def _img(mode="RGB", fmt="JPEG", size=(37, 21), **save):
@@ -48,13 +49,12 @@ def _rgb_component_ids(blob: bytes) -> bytes:
     libjpeg reads as stored RGB, without a YCbCr transform."""
     assert blob[2:4] == b"\xff\xe0"  # JFIF APP0 right after SOI
     blob = blob[:2] + blob[4 + int.from_bytes(blob[4:6], "big"):]
-    out, i = bytearray(blob), 2
-    while out[i] == 0xFF and out[i + 1] != 0xDA:
-        marker, length = out[i + 1], int.from_bytes(out[i + 2:i + 4], "big")
+    out = bytearray(blob)
+    for i, marker, _ in header_segments(blob):
         if marker == 0xC0:  # SOF0: 3 components of (id, sampling, table) after 6 bytes
             for k, name in enumerate(b"RGB"):
                 out[i + 10 + 3 * k] = name
-        i += 2 + length
+    i = sos_offset(blob)
     assert out[i + 4] == 3  # SOS: 3 components of (id, tables)
     for k, name in enumerate(b"RGB"):
         out[i + 5 + 2 * k] = name

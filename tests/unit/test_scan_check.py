@@ -11,18 +11,16 @@ from PIL import Image
 from backends.preprocess import scan_check
 from backends.preprocess.jpeg_gpu import self_check_images
 from clients.samples import encode, photo_like
-from oracles.jpeg_corpus import corpus, damaged, pillow_only, scan_start
+from oracles.jpeg_corpus import corpus, damaged, header_segments, pillow_only, scan_start, sos_offset
 
 
 def _with_quant(blob: bytes, scale: int) -> bytes:
     """The file with every quantizer of every DQT table multiplied by `scale` (the scan unchanged)."""
-    out, i = bytearray(blob), 2
-    while out[i + 1] != 0xDA:
-        length = int.from_bytes(out[i + 2:i + 4], "big")
-        if out[i + 1] == 0xDB:
+    out = bytearray(blob)
+    for i, marker, length in header_segments(blob):
+        if marker == 0xDB:
             for t in range(i + 4, i + 2 + length, 65):
                 out[t + 1:t + 65] = bytes(min(255, v * scale) for v in out[t + 1:t + 65])
-        i += 2 + length
     return bytes(out)
 
 
@@ -179,7 +177,7 @@ def test_the_default_cache_must_be_ours_alone(monkeypatch, tmp_path):
 
 
 def _before_scan(blob: bytes, segment: bytes) -> bytes:
-    sos = blob.index(b"\xff\xda")
+    sos = sos_offset(blob)
     return blob[:sos] + segment + blob[sos:]
 
 
@@ -194,7 +192,7 @@ def test_an_overfull_huffman_table_is_refused(photo_jpeg, count):
 
 
 def test_sides_above_libjpegs_limit_are_refused(photo_jpeg):
-    sof = photo_jpeg.index(b"\xff\xc0")
+    sof = next(i for i, marker, _ in header_segments(photo_jpeg) if marker == 0xC0)
     wide = bytearray(photo_jpeg)
     wide[sof + 7:sof + 9] = (65535).to_bytes(2, "big")  # SOF0: length, precision, height, then width
     with pytest.raises(OSError):  # "broken data stream": libjpeg-turbo refuses the size
