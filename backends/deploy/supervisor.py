@@ -353,8 +353,10 @@ class Supervisor:
         log.error("%s; restarting tritonserver (its ports close until it is ready again)", why)
         print(f"kimi-vision supervisor: {why}; restarting tritonserver", flush=True)
         self.relay.scrape()  # the failures the dead stub caused, while the server still answers
-        self.relay.server_replaced()
         self.server.stop(0, stubs_dead=True)
+        # Only now: a scrape that began after the new generation would otherwise still read the old
+        # server and count its failures twice, in the base and as the new server's.
+        self.relay.server_replaced()
         self.server.keep_log()  # why it went is in there; the restart writes a new one
         # A stub that dies again right after the last restart: back off instead of looping tightly.
         since = time.monotonic() - self._last_ready

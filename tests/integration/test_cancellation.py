@@ -9,7 +9,7 @@ from tritonclient.utils import InferenceServerException
 from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from server_state import eventually, upstream_crash_tolerated
+from server_state import eventually, settled, upstream_crash_tolerated
 
 HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
 
@@ -26,7 +26,7 @@ def _cancelled(server, model) -> float:
 
 
 def test_a_request_cancelled_by_its_deadline_skips_the_encoder(server, heavy):
-    before = _cancelled(server, "moonvit3d")
+    before = settled(lambda: _cancelled(server, "moonvit3d"))
     with upstream_crash_tolerated(server):
         client = KimiVisionClient(server.grpc_url)
         try:
@@ -42,7 +42,7 @@ def test_a_request_cancelled_by_its_deadline_skips_the_encoder(server, heavy):
 
 
 def test_preprocessing_called_directly_stops_between_images(server, heavy):
-    before = _cancelled(server, "kimi_preprocess")
+    before = settled(lambda: _cancelled(server, "kimi_preprocess"))
     with upstream_crash_tolerated(server):
         c = grpcclient.InferenceServerClient(server.grpc_url)
         x = grpcclient.InferInput("IMAGES", [HEAVY], "BYTES")

@@ -9,7 +9,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import OUTPUTS, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
-from server_state import eventually, inference_count
+from server_state import eventually, inference_count, settled
 
 SUBSETS = [list(c) for n in range(1, len(OUTPUTS) + 1) for c in itertools.combinations(OUTPUTS, n)]
 FIELDS = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
@@ -55,8 +55,8 @@ def test_ids_and_counts_alone_read_only_headers(server, request_and_full_answer,
     preprocess = "kimi_preprocess_batched" if batched else "kimi_preprocess"
     placeholder = "kimi_placeholder_batched" if batched else "kimi_placeholder"
     client = KimiVisionClient(server.grpc_url, batched=batched)
-    before = inference_count(server, preprocess)
-    answered_before = inference_count(server, placeholder)
+    before = settled(lambda: inference_count(server, preprocess))
+    answered_before = settled(lambda: inference_count(server, placeholder))
     got = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS"])
     client.close()
     # Read once the answering model's count has moved: preprocessing's would have moved by then too.
