@@ -61,10 +61,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free now. The sockets stay bound until all are chosen: one at a time,
+    the kernel could hand out the same port twice."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port())
+        return cls(*free_ports(3))
 
 
 # The API groups an admin key protects (--admin-key): registering shared memory maps client memory
@@ -409,10 +416,14 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     repo = render_repository(dep, repository or BUILD / f"model_repository-{name}")
     kwargs.setdefault("cuda_pools", dep.cuda_pools())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
-    ports = ports or Ports.free()
+    if ports is None:  # four distinct ones: the supervised server's own metrics port too
+        http, grpc, metrics, private = free_ports(4)
+        ports = Ports(http, grpc, metrics)
+    else:
+        private = free_ports(1)[0]
     if not supervise:
         return TritonServer(repo, ports=ports, **kwargs)
-    server = TritonServer(repo, ports=ports, metrics_port=free_port(), **kwargs)
+    server = TritonServer(repo, ports=ports, metrics_port=private, **kwargs)
     return Supervisor(server, metrics_address=server.address, metrics_port=ports.metrics)
 
 

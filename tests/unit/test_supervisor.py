@@ -78,3 +78,16 @@ def test_a_restart_keeps_the_log_of_the_server_that_went_and_of_the_start_that_f
         assert sup.relay.restarts == {"server_exited": 1}
     finally:
         sup.relay.stop()
+
+
+def test_a_supervised_server_gets_four_distinct_ports(tmp_path):
+    from backends.deploy.launcher import deployment_server
+    from backends.deploy.repository import Deployment
+
+    sup = deployment_server(Deployment(device="cpu"), "ports", repository=tmp_path / "repo")
+    try:
+        p = sup.server.ports
+        ports = {p.http, p.grpc, p.metrics, sup.server.metrics_port}
+        assert len(ports) == 4 and sup.metrics_url == f"127.0.0.1:{p.metrics}"
+    finally:
+        sup.relay.stop()
