@@ -331,13 +331,16 @@ class TritonServer:
         self.stop()
         raise TimeoutError(f"tritonserver not ready after {timeout:.0f}s; log: {self.log_path}\n{self.log_tail()}")
 
-    def keep_log(self, kind: str = "previous") -> None:
-        """Moves the log file aside (`<stem>.<kind>.log` beside it) so that the next launch does not
-        overwrite it. The supervisor keeps the log of the server that went as `previous`, once per restart,
-        so later attempts to start again cannot overwrite it; an attempt that fails is kept as
-        `failed-start` (the latest one). Nothing to keep when the server logs to standard output."""
-        if self.log_path.exists():
-            self.log_path.replace(self.log_path.with_suffix(f".{kind}.log"))
+    def keep_log(self, kind: str = "previous") -> Path | None:
+        """Moves the log file aside (`<stem>.<kind>.log` beside it, returned; None if there is no log) so
+        that the next launch does not overwrite it. The supervisor keeps the log of the server that went as
+        `previous`, once per restart, so later attempts to start again cannot overwrite it; an attempt that
+        fails is kept as `failed-start` (the latest one)."""
+        if not self.log_path.exists():
+            return None
+        kept = self.log_path.with_suffix(f".{kind}.log")
+        self.log_path.replace(kept)
+        return kept
 
     def ready(self) -> bool:
         try:

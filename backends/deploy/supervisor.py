@@ -34,6 +34,7 @@ import urllib.request
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from pathlib import Path
 
 import contract
 
@@ -197,7 +198,9 @@ class MetricsRelay:
         counts = failure_counts(parse_metrics(text))
         with self.lock:
             if generation == self.generation:
-                self.last = counts
+                # Counters only grow during one server's life: the larger value wins, so a scrape that
+                # read the server earlier but answers later cannot take counts back.
+                self.last = {k: max(counts.get(k, 0.0), self.last.get(k, 0.0)) for k in set(counts) | set(self.last)}
         return text
 
     def server_replaced(self) -> None:
@@ -245,8 +248,9 @@ class Supervisor:
         self.relay = MetricsRelay(metrics_address, metrics_port, server.metrics_url)
         self.public_metrics = f"127.0.0.1:{metrics_port}"
         self._stop = threading.Event()
-        # Set while the server it started last is ready and watched; clear from the moment a restart
-        # begins until the new server is ready (what a caller waits on before relying on the server).
+        # Set once the server it started last was ready; cleared when the watch notices that server gone
+        # (within a poll) and a restart begins, and at stop. A caller that relies on the server waits for
+        # it (and for readiness: a server that has just died still has it set until the next poll).
         self.serving = threading.Event()
         self._thread: threading.Thread | None = None
         self.expected: dict[str, int] = {}
@@ -288,6 +292,7 @@ class Supervisor:
         self.serving.clear()
         if self._thread is not None:
             self._thread.join()
+        self.serving.clear()  # a restart that was ending as stop() began may have set it again
         self.server.stop(timeout, stubs_dead=bool(self.dead_stubs()))
         self.relay.stop()
 
@@ -319,6 +324,17 @@ class Supervisor:
         known = set(self.expected.values())
         dead += [f"pid {pid}" for pid in dead_stub_pids(self.server.proc.pid) if pid not in known]
         return sorted(dead)
+
+    def _keep_log(self, kind: str) -> Path | None:
+        """The server's log moved aside as `<stem>.<kind>.log` (its path), or None: nothing to keep when the
+        server logs to standard output, and a failure to move it must not stop a restart."""
+        if self.stream_log:
+            return None
+        try:
+            return self.server.keep_log(kind)
+        except OSError as exc:
+            log.warning("could not keep tritonserver's log (%s)", exc)
+            return None
 
     def _watch(self) -> None:
         """The supervisor's loop. It must not die: a failure in one round is logged and the next one runs."""
@@ -357,7 +373,7 @@ class Supervisor:
         # Only now: a scrape that began after the new generation would otherwise still read the old
         # server and count its failures twice, in the base and as the new server's.
         self.relay.server_replaced()
-        self.server.keep_log()  # why it went is in there; the restart writes a new one
+        self._keep_log("previous")  # why it went is in there; the restart writes a new one
         # A stub that dies again right after the last restart: back off instead of looping tightly.
         since = time.monotonic() - self._last_ready
         self._quick_restarts = self._quick_restarts + 1 if since < 60 else 0
@@ -367,14 +383,14 @@ class Supervisor:
         while not self._stop.is_set():
             try:
                 self._start_server(self.start_timeout)
-                self.serving.set()
+                if not self._stop.is_set():  # stop() may have cleared it meanwhile: not serving then
+                    self.serving.set()
                 print("kimi-vision supervisor: tritonserver is ready again", flush=True)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
-                kept = ""
-                if not self._stop.is_set() and not self.stream_log:
-                    self.server.keep_log("failed-start")  # the next attempt would overwrite why this one failed
-                    kept = f"; its log is kept as {self.server.log_path.with_suffix('.failed-start.log')}"
-                log.error("tritonserver did not come back (%s)%s; retrying in %.0f s", exc, kept, delay)
+                # The next attempt would overwrite why this one failed.
+                kept = self._keep_log("failed-start") if not self._stop.is_set() else None
+                log.error("tritonserver did not come back (%s)%s; retrying in %.0f s", exc,
+                          f"; its log is kept as {kept}" if kept else "", delay)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 30.0)

@@ -63,6 +63,11 @@ def _serves(server, batched: bool) -> bool:
         return False
 
 
+def _restarts(server, reason: str) -> int:
+    with server.relay.lock:
+        return server.relay.restarts.get(reason, 0)
+
+
 def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float = 0.0) -> bool:
     """After a kill: readiness turns false, then the supervisor's restart (the `restarts`-th for `reason`)
     completes and the server serves again. Waiting for the supervisor too matters: the new server can
@@ -75,8 +80,8 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
     while time.monotonic() < deadline:
         if not server.ready():
             saw_not_ready = True
-        elif (saw_not_ready and server.serving.is_set() and server.relay.restarts[reason] == restarts
-              and _serves(server, batched=batched)):
+        elif saw_not_ready and server.serving.is_set() and _restarts(server, reason) == restarts \
+                and _serves(server, batched=batched):
             return True
         time.sleep(0.2)
     return False

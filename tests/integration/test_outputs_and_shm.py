@@ -9,7 +9,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import OUTPUTS, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
-from server_state import eventually, inference_count, settled
+from server_state import eventually, inference_count, settled, wait_ready
 
 SUBSETS = [list(c) for n in range(1, len(OUTPUTS) + 1) for c in itertools.combinations(OUTPUTS, n)]
 FIELDS = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_THWS": "grid_thws",
@@ -18,6 +18,7 @@ FIELDS = {"EXPANDED_IDS": "expanded_ids", "IMAGE_EMBEDS": "image_embeds", "GRID_
 
 @pytest.fixture(scope="module")
 def request_and_full_answer(server):
+    assert wait_ready(server), "the shared server is not serving"  # set up before conftest's per-test wait
     blobs = [encode(photo_like(200, 150, seed=4), "JPEG", quality=90), encode(text_card(120, 90), "PNG")]
     ids = chat_prompt_ids(len(blobs))
     client = KimiVisionClient(server.grpc_url)

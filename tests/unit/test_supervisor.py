@@ -1,6 +1,9 @@
 """The supervisor's pure parts: which failures count once and how totals survive a server restart; and its
 restart sequence on a stand-in server: which logs it keeps and when it says it is serving again."""
 
+import threading
+import time
+
 from backends.deploy.launcher import TritonServer
 from backends.deploy.supervisor import MetricsRelay, Supervisor, failure_counts, model_of, parse_metrics
 
@@ -91,3 +94,28 @@ def test_a_supervised_server_gets_four_distinct_ports(tmp_path):
         assert len(ports) == 4 and sup.metrics_url == f"127.0.0.1:{p.metrics}"
     finally:
         sup.relay.stop()
+
+
+def test_serving_is_clear_after_stop_even_when_a_restart_ends_meanwhile(tmp_path):
+    """stop() while the watch thread's restart is inside its start: the start may still return (its last
+    look at the stop flag was before), and the supervisor must not then say it is serving."""
+    entered, gate = threading.Event(), threading.Event()
+
+    class Slow(StandIn):
+        def start(self, *args, **kwargs):
+            entered.set()
+            gate.wait(10)
+            super().start(*args, **kwargs)
+
+    server = Slow(tmp_path / "tritonserver-x.log", failing=0)
+    sup = server.supervisor = Supervisor(server, metrics_address="127.0.0.1", metrics_port=0)
+    sup._thread = threading.Thread(target=sup._restart, args=("server_exited", "gone"))
+    sup._thread.start()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=sup.stop)
+    stopper.start()
+    time.sleep(0.2)  # stop() has set its flag and waits for the restart to end
+    gate.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and server.starts == 1
+    assert not sup.serving.is_set()
