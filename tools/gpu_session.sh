@@ -247,7 +247,7 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     scanprobe)  # the JPEG scan check on this host's cores: time per thread count and phases, threaded verdicts
-      { python3 tools/scan_check_probe.py --phases 2>&1; python3 tools/scan_check_probe.py --agreement 4 2>&1; } \
+      { python3 -m tools.scan_check_probe --phases 2>&1; python3 -m tools.scan_check_probe --agreement 4 2>&1; } \
         > "$out/scan_check_probe.md"; grep -v "^threads" "$out/scan_check_probe.md" ;;
     attnprobe) python3 -m tools.attention_probe --stub-env 2>&1 | grep -E "^ATTN|Error" | cut -c1-300 ;;
     soak) python3 -m bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \

@@ -1,7 +1,7 @@
 """Damaged and hostile JPEGs against the scan check built with AddressSanitizer and UBSan, or with
 ThreadSanitizer (CPU only).
 
-    python tools/scan_check_fuzz.py --seconds 120 [--sanitizer thread]
+    python -m tools.scan_check_fuzz --seconds 120 [--sanitizer thread]
 
 Builds backends/preprocess/scan_check.c with -fsanitize=address,undefined (or thread) into a temporary folder, then
 runs itself again with the sanitizer runtimes preloaded (a Python process must load them first) and
@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from backends.preprocess import scan_check
+from clients.samples import encode, photo_like
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from backends.preprocess import scan_check  # noqa: E402
-from clients.samples import encode, photo_like  # noqa: E402
 
 PHOTOS = [(64, 48, 0, 90, 0), (300, 200, 2, 75, 0), (33, 17, 1, 50, 3), (700, 500, 2, 95, 0), (1600, 1200, 2, 90, 0),
           (1200, 1200, 0, 95, 0)]  # width, height, subsampling, quality, restart every n blocks
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
                     for name in names]
         env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0",
                    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", TSAN_OPTIONS="halt_on_error=1")
-        return subprocess.run([sys.executable, __file__, "--seconds", str(args.seconds), "--library", str(library)],
-                              env=env).returncode
+        return subprocess.run([sys.executable, "-m", "tools.scan_check_fuzz", "--seconds", str(args.seconds),
+                               "--library", str(library)], env=env, cwd=ROOT).returncode
 
 
 if __name__ == "__main__":

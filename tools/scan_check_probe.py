@@ -1,8 +1,8 @@
 """How long the JPEG scan check takes, per thread count, on the stage table's JPEGs (CPU only).
 
-    python tools/scan_check_probe.py [--phases]
-    python tools/scan_check_probe.py --agreement 12
-    python tools/scan_check_probe.py --overlap
+    python -m tools.scan_check_probe [--phases]
+    python -m tools.scan_check_probe --agreement 12
+    python -m tools.scan_check_probe --overlap
 
 Prints, per case and per thread count, the best of 5 checks (ms), and Pillow's decode of the same
 files on one core for scale. --phases builds a copy of scan_check.c that also prints, per several-thread
@@ -25,17 +25,15 @@ import argparse
 import ctypes
 import io
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from backends.preprocess import host_threads, scan_check  # noqa: E402
-from bench.cases import case_jpegs  # noqa: E402
-from clients.samples import encode, photo_like  # noqa: E402
+from backends.preprocess import host_threads, scan_check
+from bench.cases import case_jpegs
+from clients.samples import encode, photo_like
 from oracles.jpeg_corpus import damaged  # noqa: E402
 
 _TIMED = [  # (anchor in scan_check.c, text put after it)
