@@ -34,7 +34,7 @@ from PIL import Image
 from backends.preprocess import host_threads, scan_check
 from bench.cases import case_jpegs
 from clients.samples import encode, photo_like
-from oracles.jpeg_corpus import damaged  # noqa: E402
+from oracles.jpeg_corpus import damaged
 
 _TIMED = [  # (anchor in scan_check.c, text put after it)
     ("#include <math.h>\n", "#include <stdio.h>\n#include <time.h>\nstatic double now_ms(void) { struct timespec ts; "

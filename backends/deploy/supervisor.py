@@ -34,7 +34,6 @@ import urllib.request
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from pathlib import Path
 
 import contract
 
@@ -385,7 +384,7 @@ class Supervisor:
                 self._start_server(self.start_timeout)
                 if not self._stop.is_set():  # stop() may have cleared it meanwhile: not serving then
                     self.serving.set()
-                print("kimi-vision supervisor: tritonserver is ready again", flush=True)
+                    print("kimi-vision supervisor: tritonserver is ready again", flush=True)
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
                 # The next attempt would overwrite why this one failed.

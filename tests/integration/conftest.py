@@ -4,7 +4,7 @@ import pytest
 
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
-from server_state import restarts, tolerated_exits, wait_ready
+from server_state import down, restarts, unexplained_restarts, wait_ready
 
 
 @pytest.fixture(scope="session")
@@ -16,27 +16,22 @@ def server():
         yield srv
 
 
-_down: list[str] = []  # the test before which the shared server did not come back
-
-
 @pytest.fixture(autouse=True)
 def _shared_server_serving(request):
     """Each test that uses the shared server starts with it serving (an earlier test may have left it
-    restarting; tritonserver 2.51 can crash as a cancelled request ends, server_state.py) and fails if
-    the server restarted while it ran, unless upstream_crash_tolerated explained it: a crash or a killed
-    stub must not pass unseen because the supervisor healed it. A server that does not come back fails
-    the rest at once instead of each waiting."""
+    restarting) and fails if the server restarted while it ran, save for the known 2.51 crash
+    (server_state.unexplained_restarts): a crash or a killed stub must not pass unseen because the
+    supervisor healed it. A server that does not come back fails the tests after it at once."""
     if "server" not in request.fixturenames:
         yield
         return
-    if _down:
-        pytest.fail(f"the shared server did not come back before {_down[0]}")
+    if down:
+        pytest.fail(f"the shared server did not come back earlier ({down[0]})")
     server = request.getfixturevalue("server")
     if not wait_ready(server):
-        _down.append(request.node.nodeid)
+        down.append(f"before {request.node.nodeid}")
         pytest.fail("the shared server is not serving")
-    before, explained = restarts(server), tolerated_exits(server)
+    before = restarts(server)
     yield
-    unexplained = restarts(server) - before - (tolerated_exits(server) - explained)
-    assert unexplained == 0, (f"tritonserver restarted {unexplained} time(s) during this test; the supervisor "
-                              f"kept the log of the server that went: {server.log_path.with_suffix('.previous.log')}")
+    what = unexplained_restarts(server, before)
+    assert what is None, f"tritonserver restarted during this test: {what}"
