@@ -419,14 +419,13 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     repo = render_repository(dep, repository or BUILD / f"model_repository-{name}")
     kwargs.setdefault("cuda_pools", dep.cuda_pools())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
-    if ports is None:  # four distinct ones: the supervised server's own metrics port too
+    private = None  # the supervised server's own metrics port, distinct from the public ones
+    if ports is None:
         http, grpc, metrics, private = free_ports(4)
         ports = Ports(http, grpc, metrics)
-    else:
-        private = free_ports(1)[0]
     if not supervise:
         return TritonServer(repo, ports=ports, **kwargs)
-    server = TritonServer(repo, ports=ports, metrics_port=private, **kwargs)
+    server = TritonServer(repo, ports=ports, metrics_port=private or free_ports(1)[0], **kwargs)
     return Supervisor(server, metrics_address=server.address, metrics_port=ports.metrics)
 
 

@@ -57,16 +57,15 @@ def settled(read, quiet_s: float = 0.3, timeout_s: float = 10.0):
         value = again
 
 
-def server_exits(server) -> int:
-    """Times the supervisor found tritonserver itself gone (not a stub) and restarted it."""
-    with server.relay.lock:
-        return server.relay.restarts.get("server_exited", 0)
-
-
 def restarts(server) -> dict[str, int]:
     """Times the supervisor restarted tritonserver, by reason (stub_died, server_exited)."""
     with server.relay.lock:
         return dict(server.relay.restarts)
+
+
+def server_exits(server) -> int:
+    """Times the supervisor found tritonserver itself gone (not a stub) and restarted it."""
+    return restarts(server).get("server_exited", 0)
 
 
 # Set once the shared server did not come back: the tests after it fail at once instead of each waiting.

@@ -13,6 +13,7 @@ from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import model_of, scrape, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
+from server_state import restarts as server_restarts
 
 MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched"]
 
@@ -63,11 +64,6 @@ def _serves(server, batched: bool) -> bool:
         return False
 
 
-def _restarts(server, reason: str) -> int:
-    with server.relay.lock:
-        return server.relay.restarts.get(reason, 0)
-
-
 def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float = 0.0) -> bool:
     """After a kill: readiness turns false, then the supervisor's restart (the `restarts`-th for `reason`)
     completes and the server serves again. Waiting for the supervisor too matters: the new server can
@@ -80,7 +76,7 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
     while time.monotonic() < deadline:
         if not server.ready():
             saw_not_ready = True
-        elif saw_not_ready and server.serving.is_set() and _restarts(server, reason) == restarts \
+        elif saw_not_ready and server.serving.is_set() and server_restarts(server).get(reason, 0) == restarts \
                 and _serves(server, batched=batched):
             return True
         time.sleep(0.2)
