@@ -13,7 +13,11 @@ Cases: 1x1024^2, 1x3000^2, 8x448^2 JPEGs (quality 90, 4:2:0). Per case:
   for the scan checks), the scan check alone (backends/preprocess/scan_check.c: a large scan on
   several threads, the images of a request one after another), and
   Pillow's `Image.open(f).convert("RGB")` on one core, per request's images.
-Then end to end / encoder alone, the issue's target (<= 1.25x). --profile also writes the stubs'
+Then end to end / encoder alone, the issue's target (<= 1.25x). Then, per case, --trace-requests more
+requests traced by tritonserver itself (clients/tracing.py): the request cut into consecutive stretches
+(client send, front end, each step's queue, inputs, stub and hand-on, the response), medians that add
+up to the traced requests' median wall time, beside our code's own host time in each stub over the
+same requests. --profile also writes the stubs'
 torch-profiler tables (backends/serving/profiling.py) under --out/profile, from extra requests of the
 first case sent after the measured ones.
 """
@@ -43,6 +47,7 @@ from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
 from clients.kimi_client import CudaOutputRegion, KimiVisionClient
+from clients.tracing import Tracer, off_path, spans
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -78,6 +83,37 @@ def per_request_ms(before: dict, after: dict) -> dict[str, float]:
     out = {stage: (after[stage] - before[stage]) / n / 1e6 for stage in STAGES}
     out["our_code"] = (after.get("our_code_s", 0.0) - before.get("our_code_s", 0.0)) / n * 1e3
     return out
+
+
+PATH = [PREPROCESS, ENCODER]  # the steps one request runs one after another (kimi_placeholder runs beside ENCODER)
+
+
+def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
+    """n requests (`send()` sends one) traced by the server: median ms per stretch (in order), the
+    median client wall time, our code's mean host time per stub over them, and how early
+    kimi_placeholder answered."""
+    before = our_code_seconds(metrics_url)
+    tracer.trace(n)
+    try:
+        times = []
+        for _ in range(n):
+            sent = time.monotonic_ns()
+            send()
+            times.append((sent, time.monotonic_ns()))
+        traced = tracer.read()
+    finally:
+        tracer.stop()
+    time.sleep(1.0)  # the step-time metric is counted as each execute returns
+    after = our_code_seconds(metrics_url)
+    if len(traced) != n:
+        raise RuntimeError(f"{len(traced)} traced requests read, {n} sent")
+    cut = [spans(req, PATH, sent, received) for req, (sent, received) in zip(traced, times)]
+    labels = [label for label, _ in cut[0]]
+    return {"stretches": {label: statistics.median(c[k][1] for c in cut) for k, label in enumerate(labels)},
+            "stretch_means": {label: statistics.mean(c[k][1] for c in cut) for k, label in enumerate(labels)},
+            "wall_ms": statistics.median((b - a) / 1e6 for a, b in times),
+            "our_code_ms": {m: (after.get(m, 0.0) - before.get(m, 0.0)) / n * 1e3 for m in PATH},
+            "placeholder_early_ms": statistics.median(off_path(req, PATH)[PLACEHOLDER] for req in traced)}
 
 
 def profile_alone(path: Path, fn, calls: int = 5) -> None:
@@ -118,11 +154,35 @@ def measure_alone(args, dep: Deployment, requests: dict) -> dict:
     return alone
 
 
+def trace_table(results: dict, n: int) -> list[str]:
+    """The traced stretches, one column per case."""
+    traced = {case: r["trace"] for case, r in results.items() if "trace" in r}
+    if not traced:
+        return []
+    cases = list(traced)
+    labels = list(next(iter(traced.values()))["stretches"])
+    lines = ["", f"Traced by tritonserver ({n} more requests per case, clients/tracing.py): medians in ms of "
+             "consecutive stretches; a step hands on when its stub's answer is back. `our code`: our execute's "
+             "host time in that stub (kimi_vision_step_seconds), set beside the mean of the stretch it runs in.", "",
+             "| stretch | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
+    for label in labels:
+        lines.append(f"| {label} | " + " | ".join(f"{traced[c]['stretches'].get(label, float('nan')):.3f}" for c in cases) + " |")
+        model = label.partition(":")[0]
+        if label.endswith("until its answer is back") and model in PATH:
+            lines.append(f"| {model}'s our code, mean / this stretch's mean | "
+                         + " | ".join(f"{traced[c]['our_code_ms'][model]:.3f} / {traced[c]['stretch_means'][label]:.3f}" for c in cases) + " |")
+    lines.append("| sum of the medians | " + " | ".join(f"{sum(traced[c]['stretches'].values()):.3f}" for c in cases) + " |")
+    lines.append("| median wall time of the traced requests | " + " | ".join(f"{traced[c]['wall_ms']:.3f}" for c in cases) + " |")
+    lines.append(f"| {PLACEHOLDER} answered before {ENCODER} by | " + " | ".join(f"{traced[c]['placeholder_early_ms']:.3f}" for c in cases) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--trace-requests", type=int, default=10, help="requests per case traced by the server (0: none)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-case", default="", help="the case the profile windows see (default: the first)")
     args = ap.parse_args(argv)
@@ -143,12 +203,17 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     results, lines = {}, []
-    with deployment_server(dep, "stages") as server:
+    trace_file = (args.out / "trace" / "trace.json").resolve()
+    trace_file.parent.mkdir(parents=True, exist_ok=True)
+    for old in trace_file.parent.glob("trace.json*"):  # a warm machine's earlier run
+        old.unlink()
+    with deployment_server(dep, "stages", trace_file=trace_file) as server:
         client = KimiVisionClient(server.grpc_url)
         region = CudaOutputRegion(client, max(n for *_, n in requests.values()))
         import tritonclient.grpc as grpcclient
 
         stats_client = grpcclient.InferenceServerClient(server.grpc_url)
+        tracer = Tracer(stats_client, server.trace_file)
         for case, (ids, blobs, _) in requests.items():
             for _ in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
                 client.infer_into(region, ids, blobs)
@@ -161,6 +226,9 @@ def main(argv=None) -> int:
             e2e = statistics.median(wall)
             results[case] = {"end_to_end_ms": e2e, "stages": stages, **alone[case],
                              "end_to_end_over_encoder": e2e / alone[case]["encoder_ms"]}
+            if args.trace_requests > 0:  # after the statistics' window: tracing costs a little
+                results[case]["trace"] = traced_pass(lambda: client.infer_into(region, ids, blobs), tracer,
+                                                     server.metrics_url, args.trace_requests)
         if args.profile:  # the profile window: one case again; windows still open close at shutdown
             trigger.parent.mkdir(parents=True, exist_ok=True)
             trigger.touch()
@@ -189,6 +257,7 @@ def main(argv=None) -> int:
     for case, r in results.items():
         for m, st in r["stages"].items():
             lines.append(f"| {case} | {m} | " + " | ".join(f"{st[s]:.2f}" for s in (*STAGES, "our_code")) + " |")
+    lines += trace_table(results, args.trace_requests)
     write_report(args.out, "stage_bench", lines, results)
     return 0
 

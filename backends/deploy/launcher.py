@@ -168,13 +168,16 @@ EXIT_TIMEOUT_S = 25
 
 def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pools: dict[int, int],
                          address: str = "0.0.0.0", metrics: tuple[str, int] | None = None,
-                         shm_prefix: str = "", admin_key: str = "", extra_args: tuple[str, ...] = ()) -> list[str]:
+                         shm_prefix: str = "", admin_key: str = "", trace_file: Path | None = None,
+                         extra_args: tuple[str, ...] = ()) -> list[str]:
     """The tritonserver command line: the one place it is written.
 
     address: where HTTP and gRPC listen (0.0.0.0 to serve other hosts). metrics: (address, port) of
     tritonserver's own metrics endpoint; a supervised server keeps it on loopback and the supervisor
     serves the public one. admin_key "<header>=<value>": the ADMIN_APIS answer only requests that
-    carry it (HTTP header; gRPC metadata triton-grpc-protocol-<header>)."""
+    carry it (HTTP header; gRPC metadata triton-grpc-protocol-<header>). trace_file: where tritonserver
+    writes request traces once they are turned on through its trace API (clients/tracing.py); the
+    server starts with tracing off, and 2.51 accepts a file only on its command line."""
     metrics_address, metrics_port = metrics or (address, ports.metrics)
     cmd = [
         str(install.binary),
@@ -192,6 +195,8 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if admin_key:
         cmd += [f"--http-restricted-api={ADMIN_APIS}:{admin_key}", f"--grpc-restricted-protocol={ADMIN_APIS}:{admin_key}"]
+    if trace_file is not None:
+        cmd.append(f"--trace-config=triton,file={Path(trace_file).resolve()}")
     if cuda_pools:  # every GPU that holds instances holds tensors between steps (Deployment.cuda_pools)
         cmd += [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu, size in sorted(cuda_pools.items())]
     elif gpu_count() == 0:
@@ -251,7 +256,8 @@ class TritonServer:
     def __init__(self, repository: Path, *, ports: Ports = Ports(), log_path: Path | None = None,
                  cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
                  install: TritonInstall | None = None, allow_numpy2: bool = False, address: str = "127.0.0.1",
-                 metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None):
+                 metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None,
+                 trace_file: Path | None = None):
         self.repository = Path(repository).resolve()
         self.env = dict(env or {})  # on top of ours, for the server and its stubs
         self.ports = ports
@@ -263,6 +269,7 @@ class TritonServer:
         self.address = address
         self.metrics_port = metrics_port or ports.metrics
         self.admin_key = admin_key
+        self.trace_file = Path(trace_file).resolve() if trace_file else None
         self.shm_prefix = ""
         self.proc: subprocess.Popen | None = None
 
@@ -288,7 +295,8 @@ class TritonServer:
         metrics_address = "127.0.0.1" if self.metrics_port != self.ports.metrics else self.address
         return tritonserver_command(self.install, self.repository, self.ports, cuda_pools=self.cuda_pools,
                                     address=self.address, metrics=(metrics_address, self.metrics_port),
-                                    shm_prefix=self.shm_prefix, admin_key=self.admin_key, extra_args=self.extra_args)
+                                    shm_prefix=self.shm_prefix, admin_key=self.admin_key, trace_file=self.trace_file,
+                                    extra_args=self.extra_args)
 
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
@@ -443,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where HTTP, gRPC and metrics listen (default 0.0.0.0; 127.0.0.1 keeps them on this host)")
     ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
                     help=f"'<header>=<value>': the {ADMIN_APIS} APIs answer only requests carrying it")
+    ap.add_argument("--trace-file", type=Path, default=os.environ.get("KIMI_TRACE_FILE") or None,
+                    help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
+                         "tracing is turned on through its trace API (README: Trace a request); off until then")
     ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
@@ -535,7 +546,8 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
     server = deployment_server(dep, device,
                                repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
-                               address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None)
+                               address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None,
+                               trace_file=args.trace_file)
     print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
           f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     if device == "cpu" and gpu_count() == 0:

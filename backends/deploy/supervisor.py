@@ -265,6 +265,7 @@ class Supervisor:
     log_path = property(lambda self: self.server.log_path)
     proc = property(lambda self: self.server.proc)
     repository = property(lambda self: self.server.repository)
+    trace_file = property(lambda self: self.server.trace_file)
 
     def ready(self) -> bool:
         return self.server.ready()

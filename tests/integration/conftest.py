@@ -3,7 +3,7 @@
 import pytest
 
 from backends.deploy.repository import Deployment
-from backends.deploy.launcher import deployment_server
+from backends.deploy.launcher import BUILD, deployment_server
 from server_state import down, restarts, unexplained_restarts, wait_ready
 
 
@@ -11,7 +11,12 @@ from server_state import down, restarts, unexplained_restarts, wait_ready
 def server():
     # A batching window (the default is none): on 2 busy cores, concurrent requests reach the
     # encoder tens of milliseconds apart, and the batching tests need them to meet.
-    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test")
+    # A trace file, as the launcher's --trace-file gives one: tracing stays off until test_tracing turns it on.
+    trace = BUILD / "trace-test" / "trace.json"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    for old in trace.parent.glob("trace.json*"):
+        old.unlink()
+    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test", trace_file=trace)
     with srv:
         yield srv
 

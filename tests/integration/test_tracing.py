@@ -1,0 +1,86 @@
+"""tritonserver's own request traces (clients/tracing.py) on the shared server, which starts with a trace
+file as the launcher's --trace-file gives it: off until turned on, one file per traced request, every
+model of the ensemble linked to its request, and stretches that add up to the client's wall time."""
+
+import time
+
+import pytest
+
+from bench.stage_bench import PATH, traced_pass, trace_table
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+from clients.tracing import Tracer, TraceError, spans
+from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
+
+BLOBS = [encode(photo_like(96, 64, seed=5), "JPEG", quality=90), encode(photo_like(70, 50, seed=6), "PNG")]
+
+
+@pytest.fixture
+def clients(server):
+    grpc, http = KimiVisionClient(server.grpc_url), KimiVisionClient(server.http_url, protocol="http")
+    yield grpc, http
+    grpc.close()
+    http.close()
+
+
+def _files(server) -> set:
+    return set(server.trace_file.parent.glob(server.trace_file.name + ".*"))
+
+
+def test_traced_requests_over_both_protocols_cut_into_stretches_that_add_up(server, clients):
+    grpc, http = clients
+    ids = chat_prompt_ids(len(BLOBS))
+    grpc.infer(ids, BLOBS)  # untraced: tracing starts off
+    time.sleep(0.5)
+    assert not _files(server)
+    tracer = Tracer(grpc.client, server.trace_file)
+    tracer.trace(2)
+    times = []
+    try:
+        for client in (grpc, http):
+            sent = time.monotonic_ns()
+            client.infer(ids, BLOBS)
+            times.append((sent, time.monotonic_ns()))
+        traced = tracer.read()
+    finally:
+        tracer.stop()
+    assert len(traced) == 2
+    for req, (sent, received) in zip(traced, times):
+        assert req.root.model == ENSEMBLE
+        assert set(req.steps) == {PREPROCESS, ENCODER, PLACEHOLDER}
+        assert all(t.parent == req.root.id for t in req.steps.values())
+        cut = spans(req, PATH, sent, received)
+        # Each cut point follows the one before it by cause (the next step needs the answer of the one
+        # before; the client sends before the server reads): a negative stretch means a wrong cut.
+        assert all(ms >= 0 for _, ms in cut), cut
+        assert sum(ms for _, ms in cut) == pytest.approx((received - sent) / 1e6, abs=1e-6)
+        assert len({label for label, _ in cut}) == len(cut)
+    # Turned off: the next request writes nothing.
+    before = _files(server)
+    grpc.infer(ids, BLOBS)
+    time.sleep(0.5)
+    assert _files(server) == before
+
+
+def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
+    grpc, _ = clients
+    ids = chat_prompt_ids(len(BLOBS))
+    tracer = Tracer(grpc.client, server.trace_file)
+    result = traced_pass(lambda: grpc.infer(ids, BLOBS), tracer, server.metrics_url, 3)
+    stretches = result["stretches"]
+    assert any(label.startswith(PREPROCESS) for label in stretches) and any(label.startswith(ENCODER) for label in stretches)
+    assert all(result["our_code_ms"][m] > 0 for m in PATH)  # our execute ran in each stub
+    # Our code runs inside the stretch in its stub, request by request, so on average too.
+    for m in PATH:
+        assert result["our_code_ms"][m] <= result["stretch_means"][f"{m}: in its stub, until its answer is back"], (m, result)
+    table = "\n".join(trace_table({"case": {"trace": result}}, 3))
+    assert f"| {PREPROCESS}'s our code, mean / this stretch's mean |" in table and "| sum of the medians |" in table
+
+
+def test_reading_traces_that_never_come_names_the_shortfall(server, clients):
+    grpc, _ = clients
+    tracer = Tracer(grpc.client, server.trace_file)
+    tracer.trace(1)
+    tracer.stop()  # nothing sent: nothing traced
+    with pytest.raises(TraceError, match="0 of 1 traced requests"):
+        tracer.read(timeout_s=0.3)
