@@ -4,7 +4,8 @@
 
 Cases: 1x1024^2, 1x3000^2, 8x448^2 JPEGs (quality 90, 4:2:0). Per case:
 - end to end: the client's wall time, IMAGE_EMBEDS written into one CUDA region registered once
-  (`KimiVisionClient.infer_into`, what a co-located LLM does), median of --iters;
+  (`KimiVisionClient.infer_into`, what a co-located LLM does), median of --iters; then again with the
+  images in one registered host region as well (`ImagesRegion`: no image bytes through gRPC);
 - per composing model, from tritonserver's statistics API over those same requests: queue, compute
   input, compute infer and compute output per request (ms);
 - the encoder alone, in this process on the same weights and pixels, as the server runs it (bf16,
@@ -17,7 +18,7 @@ Then end to end / encoder alone, the issue's target (<= 1.25x). Then, per case, 
 requests traced by tritonserver itself (clients/tracing.py): the request cut into consecutive stretches
 (client send, front end, each step's queue, inputs, stub and hand-on, the response), medians that add
 up to the traced requests' median wall time, beside our code's own host time in each stub over the
-same requests. --profile also writes the stubs'
+same requests (sent the lean way, images in the registered region). --profile also writes the stubs'
 torch-profiler tables (backends/serving/profiling.py) under --out/profile, from extra requests of the
 first case sent after the measured ones.
 """
@@ -46,7 +47,7 @@ from backends.serving.profiling import cuda_device_flags, python_table
 from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
-from clients.kimi_client import CudaOutputRegion, KimiVisionClient
+from clients.kimi_client import CudaOutputRegion, ImagesRegion, KimiVisionClient
 from clients.tracing import Tracer, off_path, spans
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
     with deployment_server(dep, "stages", trace_file=trace_file) as server:
         client = KimiVisionClient(server.grpc_url)
         region = CudaOutputRegion(client, max(n for *_, n in requests.values()))
+        inputs = ImagesRegion(client, max(sum(map(len, blobs)) + 4 * len(blobs) for _, blobs, _ in requests.values()))
         import tritonclient.grpc as grpcclient
 
         stats_client = grpcclient.InferenceServerClient(server.grpc_url)
@@ -224,17 +226,23 @@ def main(argv=None) -> int:
             after = model_table(stats_client, server.metrics_url)
             stages = {m: per_request_ms(before[m], after[m]) for m in before}
             e2e = statistics.median(wall)
+
+            def lean():
+                return client.infer_into(region, ids, blobs, images_region=inputs)
+
+            lean_ms = statistics.median(timed(lean, args.iters, warmup=1))
             results[case] = {"end_to_end_ms": e2e, "stages": stages, **alone[case],
-                             "end_to_end_over_encoder": e2e / alone[case]["encoder_ms"]}
+                             "end_to_end_over_encoder": e2e / alone[case]["encoder_ms"],
+                             "images_region_ms": lean_ms, "images_region_over_encoder": lean_ms / alone[case]["encoder_ms"]}
             if args.trace_requests > 0:  # after the statistics' window: tracing costs a little
-                results[case]["trace"] = traced_pass(lambda: client.infer_into(region, ids, blobs), tracer,
-                                                     server.metrics_url, args.trace_requests)
+                results[case]["trace"] = traced_pass(lean, tracer, server.metrics_url, args.trace_requests)
         if args.profile:  # the profile window: one case again; windows still open close at shutdown
             trigger.parent.mkdir(parents=True, exist_ok=True)
             trigger.touch()
             ids, blobs, _ = requests[args.profile_case or next(iter(requests))]
             for _ in range(2 * int(os.environ.get("KIMI_PROFILE_CALLS", "5"))):
                 client.infer_into(region, ids, blobs)
+        inputs.close()
         region.close()
         client.close()
         stats_client.close()
@@ -243,12 +251,15 @@ def main(argv=None) -> int:
 
     lines += ["# Stage breakdown: where a request's time goes (GPU deployment)\n", f"{machine_line()}\n",
               f"checkpoint {args.checkpoint}; {args.iters} requests per case after 3 warm-ups; end to end = client wall "
-              "time with IMAGE_EMBEDS written into one registered CUDA region; per-model times from tritonserver's "
-              "statistics over the same requests (ms per request); encoder and decode alone in this process.\n",
-              "| case | end to end | encoder alone | e2e / encoder | preprocessing alone | GPU decode alone | scan check alone | Pillow decode (1 core) |",
-              "|---|---|---|---|---|---|---|---|"]
+              "time with IMAGE_EMBEDS written into one registered CUDA region, the images in the request body; "
+              "`images region`: the same with the images in one registered host region too (ImagesRegion), timed "
+              "after; per-model times from tritonserver's statistics over the first requests (ms per request); "
+              "encoder and decode alone in this process.\n",
+              "| case | end to end | encoder alone | e2e / encoder | images region | its e2e / encoder | preprocessing alone | GPU decode alone | scan check alone | Pillow decode (1 core) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for case, r in results.items():
         lines.append(f"| {case} | {r['end_to_end_ms']:.1f} | {r['encoder_ms']:.1f} | {r['end_to_end_over_encoder']:.2f}x | "
+                     f"{r['images_region_ms']:.1f} | {r['images_region_over_encoder']:.2f}x | "
                      f"{r['preprocess_ms']:.1f} | {r['gpu_decode_ms']:.2f} | {r['scan_check_ms']:.2f} | "
                      f"{r['pillow_decode_ms']:.1f} |")
     lines += ["", "`our code` = host time of our execute per request (kimi_vision_step_seconds; the ensemble has none).",

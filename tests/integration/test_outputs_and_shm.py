@@ -74,6 +74,10 @@ def _registered(client: KimiVisionClient) -> list:
     return list(status.regions)  # gRPC: a protobuf map
 
 
+def _registered_names(client: KimiVisionClient) -> list[str]:
+    return [r["name"] if isinstance(r, dict) else r for r in _registered(client)]
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_system_shared_memory_is_unregistered_after_every_call(server, request_and_full_answer, protocol):
     ids, blobs, full = request_and_full_answer
@@ -107,3 +111,44 @@ def test_the_embeddings_region_is_sized_to_the_request(server, request_and_full_
             client.embeds_bytes(ids[:-5], blobs)  # the 1:1 rule, from kimi_placeholder
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["plain", "batched"])
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_images_region_carries_the_images_across_requests_and_grows(server, request_and_full_answer, protocol, batched):
+    """ImagesRegion: registered once, rewritten by every request (same answers as the images in the
+    request body), replaced by a larger one when a request does not fit, and gone once closed; a
+    failed request leaves it usable, and a request without images leaves it alone."""
+    from clients.kimi_client import ImagesRegion
+
+    ids, blobs, full = request_and_full_answer
+    client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol,
+                              batched=batched)
+    other = KimiVisionClient(server.grpc_url)
+    region = ImagesRegion(client, capacity=1024)  # smaller than one of the images
+    try:
+        assert _registered_names(client) == [region.name]
+        first = region.name
+        got = client.infer(ids, blobs, images_region=region)
+        assert region.name != first and region.capacity >= sum(map(len, blobs)) + 4 * len(blobs)
+        assert _registered_names(client) == [region.name]  # the small one was unregistered
+        for name, field in FIELDS.items():
+            np.testing.assert_array_equal(getattr(got, field), getattr(full, field), err_msg=name)
+        grown = region.name
+        one = [blobs[1]]
+        single = client.infer(chat_prompt_ids(1), one)
+        np.testing.assert_array_equal(client.infer(chat_prompt_ids(1), one, images_region=region).image_embeds,
+                                      single.image_embeds)  # fewer bytes than before: same region, rewritten
+        with pytest.raises(InferenceServerException):
+            client.infer(ids[:-5], blobs, images_region=region)  # the 1:1 rule
+        np.testing.assert_array_equal(client.infer(ids, blobs, images_region=region).image_embeds, full.image_embeds)
+        text_only = client.infer(chat_prompt_ids(0), [], images_region=region)
+        assert text_only.image_embeds.shape[0] == 0
+        assert region.name == grown
+        with pytest.raises(ValueError, match="another client"):
+            other.infer(ids, blobs, images_region=region)
+    finally:
+        region.close()
+        other.close()
+    assert _registered(client) == []
+    client.close()
