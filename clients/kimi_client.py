@@ -347,8 +347,8 @@ class _Cleanup:
 class ImagesRegion:
     """A POSIX shared-memory region of this process for the encoded images of a request, registered with
     the server once (same host) and rewritten by each request: the image bytes then travel by one
-    copy into shared memory, not through the request body (for eight 448^2 JPEGs, 461 KiB, gRPC took
-    about 1 ms to carry them to the server on the H200 host: bench/results/h200-2026-12-03.md).
+    copy into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms less end to end
+    for one 1.3 MB JPEG, 0.2-0.3 ms for eight 448^2 ones; bench/results/h200-2026-12-02-thirteenth.md).
 
     One request at a time per region (the server reads it during the request; `infer` and `infer_into`
     return after the server is done with it). A request larger than the region replaces it with one
