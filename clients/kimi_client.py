@@ -123,13 +123,17 @@ class KimiVisionClient:
         server drops the request's remaining work); an HTTP client's timeouts are set on
         tritonclient.http.InferenceServerClient.
         images_region: an ImagesRegion (registered once) to carry the images instead of the request body,
-        with shm "none" or "cuda" (shm "system" puts the images into its per-request region anyway).
+        with shm "none" or "cuda" (shm "system" puts the images into a region of its own per call, and
+        refuses one).
         """
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
         wanted = _check_outputs(outputs)
         if shm == "none":
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted, images_region)
         if shm == "system":
+            if images_region is not None:
+                raise ValueError('shm="system" puts the images into a region of its own per call: '
+                                 'pass images_region with shm="none" or "cuda"')
             return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         if shm == "cuda":
             return self._infer_cuda_shm(ids, blobs, frames, output_capacity, timeout_s, wanted, images_region)
@@ -347,8 +351,9 @@ class _Cleanup:
 class ImagesRegion:
     """A POSIX shared-memory region of this process for the encoded images of a request, registered with
     the server once (same host) and rewritten by each request: the image bytes then travel by one
-    copy into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms less end to end
-    for one 1.3 MB JPEG, 0.2-0.3 ms for eight 448^2 ones; bench/results/h200-2026-12-02-thirteenth.md).
+    serialization and copy into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
+    less end to end for one 1.3 MB JPEG; for smaller requests the gain was within the run-to-run spread;
+    bench/results/h200-2026-12-02-thirteenth.md).
 
     One request at a time per region (the server reads it during the request; `infer` and `infer_into`
     return after the server is done with it). A request larger than the region replaces it with one
@@ -360,10 +365,10 @@ class ImagesRegion:
         import tritonclient.utils.shared_memory as shm
 
         self.client, self._shm = client, shm
-        self.handle, self.name, self.capacity = None, "", 0
-        self._open(max(capacity, 1))
+        self.handle, self.name, self.capacity = self._create(max(capacity, 1))
 
-    def _open(self, capacity: int) -> None:
+    def _create(self, capacity: int) -> tuple:
+        """A new region, registered: (handle, name, capacity)."""
         name = f"kimi_images_{uuid.uuid4().hex[:12]}"
         handle = self._shm.create_shared_memory_region(name, f"/{name}", capacity)
         try:
@@ -371,29 +376,37 @@ class ImagesRegion:
         except Exception:
             self._shm.destroy_shared_memory_region(handle)
             raise
-        self.handle, self.name, self.capacity = handle, name, capacity
+        return handle, name, capacity
 
     def write(self, blobs: np.ndarray) -> int:
         """The images, serialized as the server reads BYTES (a 4-byte little-endian length before each),
         written at the region's start; returns their size in bytes."""
         from tritonclient.utils import serialize_byte_tensor
 
+        if self.handle is None:
+            raise ValueError(f"images region {self.name} is closed")
         serialized = serialize_byte_tensor(blobs)
         data = np.frombuffer(serialized.item(), dtype=np.uint8)
         if data.size > self.capacity:
-            self.close()
-            self._open(max(data.size, 2 * self.capacity))
+            # The larger region first: should it fail, this one stays as it was, still usable.
+            new = self._create(max(data.size, 2 * self.capacity))
+            old_handle, old_name = self.handle, self.name
+            self.handle, self.name, self.capacity = new
+            self._release(old_handle, old_name)
         self._shm.set_shared_memory_region(self.handle, [data])
         return int(data.size)
+
+    def _release(self, handle, name: str) -> None:
+        try:
+            self.client.unregister(name, "system")
+        finally:
+            self._shm.destroy_shared_memory_region(handle)
 
     def close(self) -> None:
         if self.handle is None:
             return
         handle, self.handle = self.handle, None
-        try:
-            self.client.unregister(self.name, "system")
-        finally:
-            self._shm.destroy_shared_memory_region(handle)
+        self._release(handle, self.name)
 
     def __enter__(self):
         return self

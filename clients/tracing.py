@@ -154,11 +154,25 @@ class Tracer:
         if trace_file is None:
             raise TraceError("the server was started without a trace file (launcher --trace-file): nothing to read")
         self.client, self.file, self.headers = client, Path(trace_file), headers
-        self._before: set[Path] = set()
+        self._before: dict[Path, tuple[int, int]] = {}
         self._count = 0
 
-    def _files(self) -> set[Path]:
-        return {p for p in self.file.parent.glob(self.file.name + ".*") if p.suffix[1:].isdigit()}
+    def _files(self) -> dict[Path, tuple[int, int]]:
+        """The trace files there now, each with its modification time and size: a restarted server
+        numbers its files from 0 again and writes over the old ones, so a name alone does not tell a
+        new trace from an old one."""
+        out = {}
+        for p in self.file.parent.glob(self.file.name + ".*"):
+            if p.suffix[1:].isdigit():
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                out[p] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def _new(self) -> list[Path]:
+        return [p for p, stamp in self._files().items() if self._before.get(p) != stamp]
 
     def trace(self, count: int) -> None:
         """Trace the next `count` requests, each into a file of its own."""
@@ -174,7 +188,7 @@ class Tracer:
         """The traced requests, once their files are written (the server writes a request's trace when
         it lets the request go, just after the client has its answer)."""
         deadline = time.monotonic() + timeout_s
-        while len(new := self._files() - self._before) < self._count:
+        while len(new := self._new()) < self._count:
             if time.monotonic() > deadline:
                 raise TraceError(f"{len(new)} of {self._count} traced requests written to {self.file}.* "
                                  f"after {timeout_s:.0f} s")

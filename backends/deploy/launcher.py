@@ -301,6 +301,8 @@ class TritonServer:
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.trace_file is not None:  # tritonserver writes traces with no word if the folder is missing
+            self.trace_file.parent.mkdir(parents=True, exist_ok=True)
         env = server_env(self.install, stub_bin(STUB_ENV, allow_numpy2=self.allow_numpy2), self.env)
         self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
         if stream_log:

@@ -73,18 +73,15 @@ def test_one_registered_cuda_region_serves_several_requests(gpu_server):
     from clients.kimi_client import CudaOutputRegion, ImagesRegion
 
     client = KimiVisionClient(gpu_server.grpc_url)
-    region = CudaOutputRegion(client, 64 << 20)
-    inputs = ImagesRegion(client)
     try:
-        for blobs in (images()[1:], images()[2:]):
-            plain = client.infer(chat_prompt_ids(len(blobs)), blobs)
-            for images_region in (None, inputs):
-                got = client.infer_into(region, chat_prompt_ids(len(blobs)), blobs, images_region=images_region)
-                assert got.image_embeds is None and got.cuda_embeds.is_cuda
-                np.testing.assert_array_equal(got.cuda_embeds.float().cpu().numpy(), plain.image_embeds)
+        with CudaOutputRegion(client, 64 << 20) as region, ImagesRegion(client) as inputs:
+            for blobs in (images()[1:], images()[2:]):
+                plain = client.infer(chat_prompt_ids(len(blobs)), blobs)
+                for images_region in (None, inputs):
+                    got = client.infer_into(region, chat_prompt_ids(len(blobs)), blobs, images_region=images_region)
+                    assert got.image_embeds is None and got.cuda_embeds.is_cuda
+                    np.testing.assert_array_equal(got.cuda_embeds.float().cpu().numpy(), plain.image_embeds)
     finally:
-        inputs.close()
-        region.close()
         client.close()
 
 

@@ -147,8 +147,13 @@ def test_an_images_region_carries_the_images_across_requests_and_grows(server, r
         assert region.name == grown
         with pytest.raises(ValueError, match="another client"):
             other.infer(ids, blobs, images_region=region)
+        with pytest.raises(ValueError, match="region of its own"):
+            client.infer(ids, blobs, shm="system", images_region=region)
+        region.close()
+        assert _registered(client) == []
+        with pytest.raises(ValueError, match="is closed"):
+            client.infer(ids, blobs, images_region=region)
     finally:
         region.close()
         other.close()
-    assert _registered(client) == []
-    client.close()
+        client.close()

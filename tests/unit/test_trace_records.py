@@ -71,3 +71,35 @@ def test_the_trace_file_reaches_the_command_line_and_the_launcher_takes_it(tmp_p
     assert f"--trace-config=triton,file={tmp_path / 't.json'}" in cmd
     assert not any(a.startswith("--trace-config") for a in tritonserver_command(install, "/repo", Ports(), cuda_pools={}))
     assert build_parser().parse_args(["--trace-file", "/tmp/x.json"]).trace_file.name == "x.json"
+
+
+class _SettingsClient:
+    def __init__(self):
+        self.settings = []
+
+    def update_trace_settings(self, settings, headers=None):
+        self.settings.append(settings)
+
+
+def test_a_restarted_servers_trace_that_writes_over_an_old_file_is_read_as_new(tmp_path):
+    """A restarted tritonserver numbers its files from 0 again: the same name, new contents."""
+    import json
+    import os
+
+    file = tmp_path / "trace.json"
+    (tmp_path / "trace.json.0").write_text(json.dumps(_records(1, 0)))  # from the server's earlier life
+    client = _SettingsClient()
+    tracer = Tracer(client, file)
+    tracer.trace(1)
+    assert client.settings[-1] == {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                                   "log_frequency": "1"}
+    with pytest.raises(TraceError, match="0 of 1 traced requests"):
+        tracer.read(timeout_s=0.2)  # the old file is not this trace
+    new = tmp_path / "trace.json.0"
+    new.write_text(json.dumps(_records(7, 9_000_000)))
+    stat = new.stat()
+    os.utime(new, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a coarse clock must not hide it
+    (req,) = tracer.read(timeout_s=1)
+    assert req.root.id == 7
+    tracer.stop()
+    assert client.settings[-1] == {"trace_level": ["OFF"]}
