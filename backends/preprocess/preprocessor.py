@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from backends import phases
 from backends.config import Limits, MediaConfig
 from backends.errors import RequestCancelled
 from backends.kernels import patchify
@@ -147,6 +148,7 @@ class Preprocessor:
                     on_gpu.add(i)
                 else:
                     self.jpeg.stats[("pillow", why)] += 1
+        phases.mark("route")
         decoded: dict[int, torch.Tensor | None] = {}
         host = self._host_frames([(i, plan) for i, plan in jobs if i not in on_gpu], images)
         try:
@@ -166,12 +168,17 @@ class Preprocessor:
                         log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", group, exc_info=True)
                         self.jpeg.stats[("pillow", "gpu_error")] += len(group)
                         decoded.update((j, None) for j in group)
+                    phases.mark("GPU decode launched")
                 rgb = decoded.pop(i, None) if i in on_gpu else None
                 if rgb is None and i in on_gpu:  # the hardware decoder refused it: Pillow, here
                     rgb = self._upload(self.host_frame(images[i], i, plan))
+                    phases.mark("Pillow decode")
                 elif rgb is None:
                     rgb = next(host)
-                yield self._resize(rgb, plan)
+                    phases.mark("Pillow decode")
+                rgb = self._resize(rgb, plan)
+                phases.mark("resize")
+                yield rgb
         finally:
             host.close()
 
@@ -205,6 +212,7 @@ class Preprocessor:
         # The scan checks start before the headers are read (on this thread), so that they have as long
         # as possible to finish beside the rest; a pass done again reuses their answers.
         early = self.jpeg.start_checks(blobs, self.limits.max_image_pixels) if self.jpeg is not None else {}
+        phases.mark("scan checks started")
         try:
             return self._checked(blobs, media_frames, cancelled, early)
         finally:
@@ -213,7 +221,9 @@ class Preprocessor:
 
     def _checked(self, blobs, media_frames, cancelled, early: dict):
         images = self.open(blobs)
+        phases.mark("headers")
         plans = self.plan(images, media_frames)
+        phases.mark("plan")
         forced: dict[int, str] = {}
         while True:  # twice at most: a file's check gives the same answer every time
             pending: dict = {}
@@ -225,6 +235,7 @@ class Preprocessor:
                     verdict.cancel()
                 raise
             verdicts = self.jpeg.settle(pending) if pending else {}
+            phases.mark("scan checks awaited")
             refused = {i: why for i, why in verdicts.items() if why is not None}
             if not refused:
                 if verdicts:
@@ -267,6 +278,7 @@ class Preprocessor:
             pixel_values = chunks[0]
         else:
             pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
+            phases.mark("concatenate")
         grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
         return pixel_values, grid_thws
 
@@ -275,5 +287,8 @@ class Preprocessor:
             raise ValueError(f"expected {plan.height}x{plan.width}x3 pixels for this plan, got {tuple(pixels.shape)}")
         args = (pixels, self.table, plan.patch_size, plan.padded_height, plan.padded_width, self.out_dtype)
         if patchify.can_use(pixels):  # one kernel on the GPU, same values as the torch reference
-            return patchify.normalize_patchify(*args)
-        return patchify.pad_normalize_patchify(*args)
+            out = patchify.normalize_patchify(*args)
+        else:
+            out = patchify.pad_normalize_patchify(*args)
+        phases.mark("patchify")
+        return out

@@ -10,6 +10,9 @@ them).
 - kimi_vision_decodes_total{model,path,reason}: images decoded on the GPU, or by Pillow and why.
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
+- kimi_vision_phase_seconds_total{model,phase}: with KIMI_PHASES=1 only (backends/phases.py), that
+  time taken apart by phase (per request; moonvit3d per batch), e.g. headers, GPU decode launched,
+  scan checks awaited; divided by step_seconds_count, the mean per request and phase.
 
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
   that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
@@ -71,9 +74,10 @@ class ModelMetrics:
     CLOSE_WAIT_S = 5.0  # how long close waits for a busy sender, twice at most
 
     def __init__(self, pb_utils, model: str, flush_s: float | None = None, instance: str = "",
-                 memory: Callable[[], dict[str, float]] | None = None):
+                 memory: Callable[[], dict[str, float]] | None = None, phases_on: bool = False):
         """memory, if given (GPU instances): returns {"allocated": bytes, "reserved": bytes} and, for the
-        encoder, "cached"; the sender sets the gauges from it every MEMORY_EVERY_S."""
+        encoder, "cached"; the sender sets the gauges from it every MEMORY_EVERY_S. phases_on: register
+        the phase counter (backends/phases.py is on)."""
         self.model, self.instance, self.memory = model, instance, memory
         self._memory_sent: dict[str, float] = {}
         self._memory_at = float("-inf")
@@ -94,6 +98,8 @@ class ModelMetrics:
             ("kimi_vision_patches_total", kinds.COUNTER, "Patches (14 x 14 pixels) preprocessed"),
             ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
             ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
+            ("kimi_vision_phase_seconds_total", kinds.COUNTER if phases_on else None,
+             "Time our code spends on requests, by model and phase (KIMI_PHASES=1)"),
             ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
              "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved, cached"),
         ):
@@ -126,6 +132,11 @@ class ModelMetrics:
     def decodes(self, counts: dict) -> None:
         for (path, reason), n in counts.items():
             self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
+
+    def phases(self, seconds: dict[str, float]) -> None:
+        """One request's (or batch's) phases, name -> seconds (backends/phases.end())."""
+        for phase, value in seconds.items():
+            self._add("kimi_vision_phase_seconds_total", value, phase=phase)
 
     def step_time(self, seconds: float) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from backends import phases
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
@@ -141,6 +142,7 @@ class PreprocessStep:
                  cancelled=None, input_ids=None):
         if input_ids is not None:
             check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
+            phases.mark("prompt check")
         pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
         counts = [m.plan.num_tokens for m in plans]
         if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:
@@ -240,7 +242,9 @@ class EncoderStep:
         # One request (the plain ensemble, a batch of one) is used where it lies: no copy.
         parts = [r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs]
         pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
+        phases.mark("assemble batch")
         out = self.forward(pixels, grids)
+        phases.mark("forward launched")
         # Split on host-known token counts: no device read.
         sizes = [self._tokens(r.grid_thws) for r in reqs]
         return list(torch.split(out, sizes))

@@ -18,6 +18,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from backends import phases
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
@@ -141,7 +142,8 @@ class _Adapter:
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
         memory = self._cuda_memory if self.settings.device.startswith("cuda") else None
-        self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory)
+        self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory,
+                                    phases_on=phases.ENABLED)
         self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
@@ -176,13 +178,17 @@ class _Adapter:
         responses = []
         for request in requests:
             t0 = time.perf_counter()
+            phases.begin()
             try:
                 inputs = self.inputs(request)
                 outputs = inputs.shape_outputs(self.respond(inputs))
                 outputs.update({name + FORWARD_SUFFIX: outputs[name] for name in self.forwarded})
+                phases.mark("step")  # what the step's own marks left (the whole step where it has none)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
+                phases.mark("output tensors")
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))
+            self.metrics.phases(phases.end())
             self.metrics.step_time(time.perf_counter() - t0)
         return responses
 
@@ -227,15 +233,16 @@ class PreprocessModel(_Adapter):
 
     def respond(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
+        counts, frames = inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True), inputs.numpy(MEDIA_FRAMES, optional=True)
+        input_ids = inputs.numpy(INPUT_IDS, optional=True)
+        phases.mark("read inputs")
         before = dict(self.step.pre.decode_stats)
         try:
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
-            out = self.step(images, inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True),
-                            inputs.numpy(MEDIA_FRAMES, optional=True),
-                            cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
-                            input_ids=inputs.numpy(INPUT_IDS, optional=True))
+            out = self.step(images, counts, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
+                            input_ids=input_ids)
         finally:
             after = self.step.pre.decode_stats
             self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
@@ -256,6 +263,7 @@ class EncoderModel(_Adapter):
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
+        phases.begin()  # the batch's phases, counted once per batch
         for request in requests:
             try:
                 if request.is_cancelled():  # dropped from the batch: nobody waits for its embeddings
@@ -264,9 +272,11 @@ class EncoderModel(_Adapter):
                 parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
+        phases.mark("read inputs")
         t0 = time.perf_counter()
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
         elapsed = time.perf_counter() - t0
+        phases.mark("step")
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
@@ -278,4 +288,6 @@ class EncoderModel(_Adapter):
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
             self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
+        phases.mark("output tensors")
+        self.metrics.phases(phases.end())
         return responses

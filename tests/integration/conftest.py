@@ -16,7 +16,9 @@ def server():
     trace.parent.mkdir(parents=True, exist_ok=True)
     for old in trace.parent.glob("trace.json*"):
         old.unlink()
-    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test", trace_file=trace)
+    # KIMI_PHASES: the stubs count their host time by phase (backends/phases.py), as the stage benchmark has them.
+    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test", trace_file=trace,
+                            env={"KIMI_PHASES": "1"})
     with srv:
         yield srv
 

@@ -73,8 +73,14 @@ def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
     # Our code runs inside the stretch in its stub, request by request, so on average too.
     for m in PATH:
         assert result["our_code_ms"][m] <= result["stretch_means"][f"{m}: in its stub, until its answer is back"], (m, result)
+    # Our code taken apart by phase (KIMI_PHASES=1 on the shared server): the phases lie inside it.
+    pre = {k.partition("|")[2]: ms for k, ms in result["phases_ms"].items() if k.startswith(PREPROCESS + "|")}
+    assert {"read inputs", "prompt check", "headers", "Pillow decode", "patchify", "output tensors"} <= set(pre), pre
+    assert 0.8 * result["our_code_ms"][PREPROCESS] <= sum(pre.values()) <= result["our_code_ms"][PREPROCESS] + 0.01, (pre, result)
+    assert result["phases_ms"].get(f"{ENCODER}|forward launched", 0) > 0
     table = "\n".join(trace_table({"case": {"trace": result}}, 3))
     assert f"| {PREPROCESS}'s our code, mean / this stretch's mean |" in table and "| sum of the medians |" in table
+    assert "| - of which headers (mean) |" in table
 
 
 def test_reading_traces_that_never_come_names_the_shortfall(server, clients):
