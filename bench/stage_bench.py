@@ -81,11 +81,16 @@ def our_code_seconds(metrics_url: str) -> dict[str, float]:
             if name == "kimi_vision_step_seconds_sum" and "model" in labels}
 
 
-def phase_seconds(metrics_url: str) -> dict[tuple[str, str], float]:
-    """(model, phase) -> cumulative seconds (kimi_vision_phase_seconds_total; KIMI_PHASES=1 in the
-    stubs, backends/phases.py)."""
-    return {(labels["model"], labels["phase"]): value for name, labels, value in scrape(metrics_url, timeout_s=10)
-            if name == "kimi_vision_phase_seconds_total" and "model" in labels and "phase" in labels}
+def our_seconds(metrics_url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """One scrape: model -> cumulative step seconds (as our_code_seconds), and (model, phase) ->
+    cumulative seconds (kimi_vision_phase_seconds_total; KIMI_PHASES=1 in the stubs, backends/phases.py)."""
+    steps, phase = {}, {}
+    for name, labels, value in scrape(metrics_url, timeout_s=10):
+        if name == "kimi_vision_step_seconds_sum" and "model" in labels:
+            steps[labels["model"]] = value
+        elif name == "kimi_vision_phase_seconds_total" and "model" in labels and "phase" in labels:
+            phase[(labels["model"], labels["phase"])] = value
+    return steps, phase
 
 
 def per_request_ms(before: dict, after: dict) -> dict[str, float]:
@@ -103,7 +108,7 @@ def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
     median client wall time, our code's mean host time per stub over them, and how early
     kimi_placeholder answered."""
     time.sleep(1.0)  # the stubs send their step times every 0.2 s: the requests before are all counted
-    before, phases_before = our_code_seconds(metrics_url), phase_seconds(metrics_url)
+    before, phases_before = our_seconds(metrics_url)
     tracer.trace(n)
     try:
         times = []
@@ -115,7 +120,7 @@ def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
     finally:
         tracer.stop()
     time.sleep(1.0)  # the step-time metric is counted as each execute returns
-    after, phases_after = our_code_seconds(metrics_url), phase_seconds(metrics_url)
+    after, phases_after = our_seconds(metrics_url)
     if len(traced) != n:
         raise RuntimeError(f"{len(traced)} traced requests read, {n} sent")
     cut = [spans(req, PATH, sent, received) for req, (sent, received) in zip(traced, times)]
@@ -124,7 +129,7 @@ def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
             "stretch_means": {label: statistics.mean(c[k][1] for c in cut) for k, label in enumerate(labels)},
             "wall_ms": statistics.median((b - a) / 1e6 for a, b in times),
             "our_code_ms": {m: (after.get(m, 0.0) - before.get(m, 0.0)) / n * 1e3 for m in PATH},
-            # (model, phase) -> mean ms per request (moonvit3d counts per batch: one request per batch here)
+            # "model|phase" -> mean ms per request (moonvit3d counts per batch: one request per batch here)
             "phases_ms": {f"{m}|{p}": (v - phases_before.get((m, p), 0.0)) / n * 1e3
                           for (m, p), v in phases_after.items() if m in PATH},
             "placeholder_early_ms": statistics.median(off_path(req, PATH)[PLACEHOLDER] for req in traced)}
@@ -178,7 +183,7 @@ def trace_table(results: dict, n: int) -> list[str]:
     lines = ["", f"Traced by tritonserver ({n} more requests per case, clients/tracing.py): medians in ms of "
              "consecutive stretches; a step hands on when its stub's answer is back. `our code`: our execute's "
              "host time in that stub (kimi_vision_step_seconds), set beside the mean of the stretch it runs in, "
-             "and taken apart by phase below it (backends/phases.py, in the order first marked).", "",
+             "and taken apart by phase below it, largest first (backends/phases.py).", "",
              "| stretch | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
     for label in labels:
         lines.append(f"| {label} | " + " | ".join(f"{traced[c]['stretches'].get(label, float('nan')):.3f}" for c in cases) + " |")
@@ -186,8 +191,10 @@ def trace_table(results: dict, n: int) -> list[str]:
         if label.endswith("until its answer is back") and model in PATH:
             lines.append(f"| {model}'s our code, mean / this stretch's mean | "
                          + " | ".join(f"{traced[c]['our_code_ms'][model]:.3f} / {traced[c]['stretch_means'][label]:.3f}" for c in cases) + " |")
-            for phase in dict.fromkeys(k.partition("|")[2] for c in cases for k in traced[c].get("phases_ms", {})
-                                       if k.startswith(model + "|")):
+            found = {k.partition("|")[2] for c in cases for k in traced[c].get("phases_ms", {}) if k.startswith(model + "|")}
+            # Largest first (by the cases' total): where the time goes, in order.
+            for phase in sorted(found, key=lambda ph: -sum(traced[c].get("phases_ms", {}).get(f"{model}|{ph}", 0.0)
+                                                            for c in cases)):
                 lines.append(f"| - of which {phase} (mean) | "
                              + " | ".join(f"{traced[c].get('phases_ms', {}).get(model + '|' + phase, 0.0):.3f}" for c in cases) + " |")
     lines.append("| sum of the medians | " + " | ".join(f"{sum(traced[c]['stretches'].values()):.3f}" for c in cases) + " |")

@@ -260,6 +260,8 @@ class Preprocessor:
             for n, m in enumerate(plans):
                 if cancelled is not None and cancelled():
                     raise RequestCancelled(f"cancelled by the client after {n} of {len(plans)} media")
+                phases.mark("cancel check")
+                # Pulling frames runs _frames up to its next yield: decode (and resize) marks come from there.
                 frames = [next(frames_in_order) for _ in m.frames]
                 if not m.is_video and run and plans[n - 1].plan == m.plan and _follows(run[-1], frames[0]):
                     run.append(frames[0])  # patchified with the run: one launch, same patches in order
@@ -283,6 +285,7 @@ class Preprocessor:
         return pixel_values, grid_thws
 
     def _patchify(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
+        phases.mark("join frames")  # since the frames were pulled: runs checked and joined (a view), videos stacked
         if tuple(pixels.shape[-3:]) != (plan.height, plan.width, 3):
             raise ValueError(f"expected {plan.height}x{plan.width}x3 pixels for this plan, got {tuple(pixels.shape)}")
         args = (pixels, self.table, plan.patch_size, plan.padded_height, plan.padded_width, self.out_dtype)

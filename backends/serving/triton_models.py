@@ -178,7 +178,7 @@ class _Adapter:
         responses = []
         for request in requests:
             t0 = time.perf_counter()
-            phases.begin()
+            phases.begin()  # the phases add up to the step time, but for the microseconds around them
             try:
                 inputs = self.inputs(request)
                 outputs = inputs.shape_outputs(self.respond(inputs))
@@ -188,8 +188,10 @@ class _Adapter:
                 phases.mark("output tensors")
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))
+                phases.mark("failed")
+            elapsed = time.perf_counter() - t0
             self.metrics.phases(phases.end())
-            self.metrics.step_time(time.perf_counter() - t0)
+            self.metrics.step_time(elapsed)
         return responses
 
     def finalize(self):
@@ -263,7 +265,6 @@ class EncoderModel(_Adapter):
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
-        phases.begin()  # the batch's phases, counted once per batch
         for request in requests:
             try:
                 if request.is_cancelled():  # dropped from the batch: nobody waits for its embeddings
@@ -272,11 +273,12 @@ class EncoderModel(_Adapter):
                 parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-        phases.mark("read inputs")
         t0 = time.perf_counter()
+        phases.begin()  # the batch's forward taken apart, once per batch: the step time's span
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
+        phases.mark("step")  # what the encoder step's own marks left: checks, the split, cache bookkeeping
         elapsed = time.perf_counter() - t0
-        phases.mark("step")
+        self.metrics.phases(phases.end())
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
@@ -288,6 +290,4 @@ class EncoderModel(_Adapter):
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
             self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
-        phases.mark("output tensors")
-        self.metrics.phases(phases.end())
         return responses

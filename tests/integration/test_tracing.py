@@ -76,8 +76,10 @@ def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
     # Our code taken apart by phase (KIMI_PHASES=1 on the shared server): the phases lie inside it.
     pre = {k.partition("|")[2]: ms for k, ms in result["phases_ms"].items() if k.startswith(PREPROCESS + "|")}
     assert {"read inputs", "prompt check", "headers", "Pillow decode", "patchify", "output tensors"} <= set(pre), pre
-    assert 0.8 * result["our_code_ms"][PREPROCESS] <= sum(pre.values()) <= result["our_code_ms"][PREPROCESS] + 0.01, (pre, result)
     assert result["phases_ms"].get(f"{ENCODER}|forward launched", 0) > 0
+    for m in PATH:  # the phases span the step time, but for the microseconds around them
+        total = sum(ms for k, ms in result["phases_ms"].items() if k.startswith(m + "|"))
+        assert total == pytest.approx(result["our_code_ms"][m], rel=0.02, abs=0.05), (m, result)
     table = "\n".join(trace_table({"case": {"trace": result}}, 3))
     assert f"| {PREPROCESS}'s our code, mean / this stretch's mean |" in table and "| sum of the medians |" in table
     assert "| - of which headers (mean) |" in table

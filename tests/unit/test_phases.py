@@ -21,8 +21,8 @@ def on(monkeypatch):
     monkeypatch.setattr(phases, "ENABLED", True)
 
 
-def test_off_it_records_nothing():
-    assert phases.ENABLED is False  # the default, unless KIMI_PHASES says otherwise
+def test_off_it_records_nothing(monkeypatch):
+    monkeypatch.setattr(phases, "ENABLED", False)  # the default, unless KIMI_PHASES says otherwise
     phases.begin()
     phases.mark("a")
     assert phases.end() == {}
@@ -38,7 +38,7 @@ def test_marks_charge_the_time_since_the_previous_one_in_first_marked_order(on):
     phases.mark("slow")  # again: adds up
     got = phases.end()
     assert list(got) == ["slow", "quick"]
-    assert got["slow"] >= 0.03 and got["quick"] < 0.005
+    assert got["slow"] >= 0.03 and got["quick"] < got["slow"]
     assert phases.end() == {}  # closed
 
 
