@@ -20,8 +20,12 @@ requests traced by tritonserver itself (clients/tracing.py): the request cut int
 (client send, front end, each step's queue, inputs, stub and hand-on, the response): each request's
 stretches add up to its wall time exactly, their medians to about the median wall time. Beside them,
 our code's own host time in each stub over the same requests (sent the lean way, images in the
-registered region), and that time by phase (the server runs with KIMI_PHASES=1, backends/phases.py). --profile also writes the stubs' torch-profiler tables (backends/serving/profiling.py) under --out/profile, from extra requests of the
-first case sent after the measured ones.
+registered region), and that time by phase (the server runs with KIMI_PHASES=1, backends/phases.py).
+Then, for the issue's concurrency-16 cases, --batch-trace-requests sent --batch-trace-concurrency at a
+time, all traced: moonvit3d's executions (batches), what each spends on inputs, in its stub, on the
+responses, and the gap to the next, beside images/s and the encoder alone's images/s.
+--profile also writes the stubs' torch-profiler tables (backends/serving/profiling.py) under
+--out/profile, from extra requests of the first case sent after the measured ones.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import cProfile
 import io
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +55,7 @@ from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
 from clients.kimi_client import CudaOutputRegion, ImagesRegion, KimiVisionClient
-from clients.tracing import Tracer, off_path, spans
+from clients.tracing import Tracer, batch_stretches, batches, off_path, spans
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -135,6 +140,53 @@ def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
             "placeholder_early_ms": statistics.median(off_path(req, PATH)[PLACEHOLDER] for req in traced)}
 
 
+def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> dict:
+    """n requests from `concurrency` threads at once (each thread's `send` from make_send(), called on
+    that thread; a sender may hold its own client and regions), all traced: moonvit3d's executions
+    (batches) and the medians of their stretches, how much of the run the encoder's executions
+    covered, and requests per second."""
+    left, lock, errors = [n], threading.Lock(), []
+
+    def worker():
+        try:
+            send = make_send()
+            while True:
+                with lock:
+                    if left[0] == 0:
+                        return
+                    left[0] -= 1
+                send()
+        except Exception as exc:  # noqa: BLE001 - reported after the run
+            errors.append(exc)
+
+    tracer.trace(n)
+    try:
+        start = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - start
+        if errors:
+            raise errors[0]
+        traced = tracer.read(timeout_s=30)
+    finally:
+        tracer.stop()
+    found = batches(traced, ENCODER)
+    rows = batch_stretches(found)
+    span = (found[-1].end - found[0].start) / 1e9 if found else 0.0
+
+    def med(key):
+        values = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(values) if values else float("nan")
+
+    return {"requests": len(traced), "concurrency": concurrency, "requests_per_s": n / wall,
+            "batches": len(found), "batch_sizes": [b.size for b in found],
+            "median": {k: med(k) for k in ("size", "inputs", "stub", "responses", "gap")},
+            "encoder_busy": sum(b.end - b.start for b in found) / 1e9 / span if span else float("nan")}
+
+
 def profile_alone(path: Path, fn, calls: int = 5) -> None:
     """cProfile over `calls` calls of fn in this process (each ends with a device sync), written like the
     stubs' windows (backends/serving/profiling.py), to set function by function beside theirs."""
@@ -203,12 +255,37 @@ def trace_table(results: dict, n: int) -> list[str]:
     return lines
 
 
+def batch_table(results: dict) -> list[str]:
+    """moonvit3d's executions under concurrent load, one row per case."""
+    rows = {case: r for case, r in results.items() if "batches" in r}
+    if not rows:
+        return []
+    c = next(iter(rows.values()))["batches"]["concurrency"]
+    lines = ["", f"moonvit3d's executions with {c} requests in flight, all traced (clients/tracing.batches): medians "
+             "in ms per execution of its inputs to the stub, the stub until its answer, the answer until the execution "
+             "ends (the responses; their output copies wait for the kernels), and the gap to the next execution; "
+             "`executing`: the share of the run from the first execution's start to the last one's end that "
+             "moonvit3d was executing. images/s beside the encoder alone's (1000 / its ms x images per request).", "",
+             "| case | requests | images/s | encoder alone images/s | executions | batch size | inputs | stub | responses | gap | executing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, r in rows.items():
+        b, m = r["batches"], r["batches"]["median"]
+        lines.append(f"| {case} | {b['requests']} | {b['requests_per_s'] * r['images']:.1f} | {1000 / r['encoder_ms'] * r['images']:.1f} | "
+                     f"{b['batches']} | {m['size']:.0f} | {m['inputs']:.2f} | {m['stub']:.2f} | {m['responses']:.2f} | "
+                     f"{m['gap']:.2f} | {b['encoder_busy']:.3f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--trace-requests", type=int, default=10, help="requests per case traced by the server (0: none)")
+    ap.add_argument("--batch-trace-requests", type=int, default=48,
+                    help="requests per case sent at --batch-trace-concurrency and traced, for moonvit3d's batches (0: none)")
+    ap.add_argument("--batch-trace-concurrency", type=int, default=16)
+    ap.add_argument("--batch-trace-cases", default="1x1024^2,8x448^2", help="the cases of the batch trace (the issue's c=16 cases)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--profile-case", default="", help="the case the profile windows see (default: the first)")
     args = ap.parse_args(argv)
@@ -248,7 +325,8 @@ def main(argv=None) -> int:
             ImagesRegion(client, max(sum(map(len, blobs)) + 4 * len(blobs) for _, blobs, _ in requests.values())))
         tracer = Tracer(stats_client, server.trace_file)
         ways = {"body": {}, "region": {"images_region": inputs}}
-        for case, (ids, blobs, _) in requests.items():
+        regions_lock = threading.Lock()
+        for case, (ids, blobs, capacity) in requests.items():
             for _ in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
                 client.infer_into(region, ids, blobs)
             time.sleep(1.0)  # tritonserver records a request's statistics as it releases it, after the reply
@@ -272,6 +350,18 @@ def main(argv=None) -> int:
 
             if args.trace_requests > 0:  # after the statistics' window: tracing costs a little
                 results[case]["trace"] = traced_pass(lean, tracer, server.metrics_url, args.trace_requests)
+            if args.batch_trace_requests > 0 and case in args.batch_trace_cases.split(","):
+                def make_send(ids=ids, blobs=blobs, capacity=capacity):
+                    # Each thread its own client and regions (one request at a time per region).
+                    own = KimiVisionClient(server.grpc_url)
+                    with regions_lock:
+                        held.callback(own.close)
+                        out = held.enter_context(CudaOutputRegion(own, capacity))
+                        images = held.enter_context(ImagesRegion(own))
+                    return lambda: own.infer_into(out, ids, blobs, images_region=images)
+
+                results[case]["batches"] = traced_concurrent(make_send, tracer, args.batch_trace_requests,
+                                                             args.batch_trace_concurrency)
         if args.profile:  # the profile window: one case again; windows still open close at shutdown
             trigger.parent.mkdir(parents=True, exist_ok=True)
             trigger.touch()
@@ -302,6 +392,7 @@ def main(argv=None) -> int:
         for m, st in r["stages"].items():
             lines.append(f"| {case} | {m} | " + " | ".join(f"{st[s]:.2f}" for s in (*STAGES, "our_code")) + " |")
     lines += trace_table(results, args.trace_requests)
+    lines += batch_table(results)
     write_report(args.out, "stage_bench", lines, results)
     return 0
 

@@ -145,6 +145,44 @@ def off_path(req: RequestTrace, path: list[str]) -> dict[str, float]:
     return {m: (end - t.at("COMPUTE_OUTPUT_START")) / 1e6 for m, t in req.steps.items() if m not in path}
 
 
+@dataclass
+class Batch:
+    """One execution of a model over one or more requests: Triton gives every request of a dynamic
+    batch the execution's COMPUTE_* times, so requests that share a COMPUTE_START ran together."""
+    size: int
+    start: int  # COMPUTE_START
+    inputs: int  # COMPUTE_INPUT_END
+    answer: int  # COMPUTE_OUTPUT_START
+    end: int  # COMPUTE_END
+
+
+def batches(reqs: list[RequestTrace], model: str) -> list[Batch]:
+    """The executions of `model` over the traced requests, in the order they started (with several
+    instances of the model, executions of different instances interleave)."""
+    by_start: dict[int, list[ModelTrace]] = {}
+    for req in reqs:
+        if model in req.steps:
+            t = req.steps[model]
+            by_start.setdefault(t.at("COMPUTE_START"), []).append(t)
+    out = []
+    for start, ts in sorted(by_start.items()):
+        t = ts[0]
+        out.append(Batch(len(ts), start, t.at("COMPUTE_INPUT_END"), t.at("COMPUTE_OUTPUT_START"), t.at("COMPUTE_END")))
+    return out
+
+
+def batch_stretches(found: list[Batch]) -> list[dict[str, float]]:
+    """Per execution (ms): inputs to the stub, in the stub until its answer, the answer until the
+    execution ends (the responses: on a GPU their output copies wait for the kernels), and the gap
+    from its end to the next execution's start (None for the last)."""
+    rows = []
+    for k, b in enumerate(found):
+        nxt = found[k + 1].start if k + 1 < len(found) else None
+        rows.append({"size": b.size, "inputs": (b.inputs - b.start) / 1e6, "stub": (b.answer - b.inputs) / 1e6,
+                     "responses": (b.end - b.answer) / 1e6, "gap": None if nxt is None else (nxt - b.end) / 1e6})
+    return rows
+
+
 class Tracer:
     """Turns a server's tracing on for a few requests and reads what it wrote. `client`: a tritonclient
     InferenceServerClient (gRPC or HTTP) of a server started with `trace_file`; `headers`: the admin

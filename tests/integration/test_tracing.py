@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from bench.stage_bench import PATH, traced_pass, trace_table
+from bench.stage_bench import PATH, batch_table, traced_concurrent, traced_pass, trace_table
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from clients.tracing import Tracer, TraceError, spans
@@ -83,6 +83,32 @@ def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
     table = "\n".join(trace_table({"case": {"trace": result}}, 3))
     assert f"| {PREPROCESS}'s our code, mean / this stretch's mean |" in table and "| sum of the medians |" in table
     assert "| - of which headers (mean) |" in table
+
+
+def test_concurrent_requests_traced_show_the_encoders_batches(server, clients):
+    """The stage benchmark's concurrent pass: 8 requests from 4 threads, all traced. The shared server's
+    batching window puts concurrent requests into one encoder execution; one instance, so its
+    executions follow each other."""
+    grpc, _ = clients
+    ids = chat_prompt_ids(len(BLOBS))
+    made = []
+
+    def make_send():
+        own = KimiVisionClient(server.grpc_url)
+        made.append(own)
+        return lambda: own.infer(ids, BLOBS)
+
+    try:
+        result = traced_concurrent(make_send, Tracer(grpc.client, server.trace_file), 8, 4)
+    finally:
+        for c in made:
+            c.close()
+    assert result["requests"] == 8 and sum(result["batch_sizes"]) == 8
+    assert max(result["batch_sizes"]) > 1, result  # a batch was formed
+    assert result["batches"] == len(result["batch_sizes"]) < 8
+    assert result["median"]["gap"] >= 0 and 0 < result["encoder_busy"] <= 1
+    table = "\n".join(batch_table({"case": {"batches": result, "images": 2, "encoder_ms": 10.0}}))
+    assert "| case | 8 |" in table
 
 
 def test_reading_traces_that_never_come_names_the_shortfall(server, clients):

@@ -4,7 +4,7 @@ stretches along the steps that run one after another, and what is refused."""
 import pytest
 
 from backends.deploy.launcher import Ports, TritonInstall, build_parser, tritonserver_command
-from clients.tracing import TraceError, Tracer, off_path, parse, requests, spans
+from clients.tracing import TraceError, Tracer, batch_stretches, batches, off_path, parse, requests, spans
 
 
 def _records(root: int, t0: int, protocol: str = "GRPC") -> list[dict]:
@@ -103,3 +103,23 @@ def test_a_restarted_servers_trace_that_writes_over_an_old_file_is_read_as_new(t
     assert req.root.id == 7
     tracer.stop()
     assert client.settings[-1] == {"trace_level": ["OFF"]}
+
+
+def test_requests_that_share_an_execution_are_one_batch():
+    """Two requests in one encoder execution (same COMPUTE_* times), then a third alone."""
+    def request(root, t0, enc):
+        recs = [r for r in _records(root, t0) if r["id"] != root + 2]  # without its own moonvit3d
+        step = ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START",
+                "COMPUTE_END", "REQUEST_END")
+        recs.append({"id": root + 2, "model_name": "moonvit3d", "model_version": 1, "parent_id": root})
+        recs += [{"id": root + 2, "timestamps": [{"name": n, "ns": us * 1000}]} for n, us in zip(step, enc)]
+        return recs
+    first = (100, 101, 110, 130, 2000, 2100, 2110)
+    second = (2200, 2201, 2300, 2310, 4000, 4050, 4060)
+    reqs = requests(parse(request(1, 0, first) + request(10, 50, first) + request(20, 1000, second)))
+    found = batches(reqs, "moonvit3d")
+    assert [(b.size, b.start) for b in found] == [(2, 110_000), (1, 2_300_000)]
+    rows = batch_stretches(found)
+    assert rows[0] == {"size": 2, "inputs": pytest.approx(0.02), "stub": pytest.approx(1.87),
+                       "responses": pytest.approx(0.1), "gap": pytest.approx(0.2)}
+    assert rows[1]["gap"] is None and rows[1]["size"] == 1
