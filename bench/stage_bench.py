@@ -146,10 +146,20 @@ def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> di
     (batches) and the medians of their stretches, how much of the run the encoder's executions
     covered, and requests per second."""
     left, lock, errors = [n], threading.Lock(), []
+    ready = threading.Barrier(concurrency + 1)  # senders set up (clients, regions) before the clock starts
 
     def worker():
         try:
             send = make_send()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+            ready.abort()
+            return
+        try:
+            ready.wait()
+        except threading.BrokenBarrierError:
+            return
+        try:
             while True:
                 with lock:
                     if left[0] == 0:
@@ -161,10 +171,14 @@ def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> di
 
     tracer.trace(n)
     try:
-        start = time.perf_counter()
         threads = [threading.Thread(target=worker) for _ in range(concurrency)]
         for t in threads:
             t.start()
+        try:
+            ready.wait()
+        except threading.BrokenBarrierError:
+            pass  # a sender could not be set up: its error is raised below
+        start = time.perf_counter()
         for t in threads:
             t.join()
         wall = time.perf_counter() - start
