@@ -24,16 +24,10 @@ import numpy as np
 from backends.config import DEMO_CONFIG
 from backends.serving.steps import PlaceholderStep
 from bench.cases import case_jpegs
-from bench.gpu_timing import machine_line, write_report
+from bench.gpu_timing import machine_line, spin, write_report
 from contract import chat_prompt_ids
 
 GAP_S = 0.02
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def main(argv=None) -> int:
@@ -48,7 +42,7 @@ def main(argv=None) -> int:
         while time.perf_counter() < end:
             junk[::64] += 1
 
-    gaps = {"none (hot loop)": None, "sleep 20 ms": lambda: time.sleep(GAP_S), "spin 20 ms": lambda: _spin(GAP_S),
+    gaps = {"none (hot loop)": None, "sleep 20 ms": lambda: time.sleep(GAP_S), "spin 20 ms": lambda: spin(GAP_S),
             "sweep 64 MiB for 20 ms": lambda: sweep(GAP_S)}
     step = PlaceholderStep(DEMO_CONFIG)
     cases = {case: case_jpegs(case) for case in ("1x1024^2", "8x448^2")}

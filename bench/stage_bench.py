@@ -56,6 +56,7 @@ from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
 from clients.kimi_client import CudaOutputRegion, ImagesRegion, KimiVisionClient
 from clients.tracing import Tracer, batch_stretches, batches, off_path, spans
+from clients.tracing import clear as clear_traces
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -71,24 +72,19 @@ def model_stats(client, model: str) -> dict[str, float]:
 
 
 def model_table(stats_client, metrics_url: str) -> dict[str, dict[str, float]]:
-    ours = our_code_seconds(metrics_url)
+    ours, _ = our_seconds(metrics_url)
     table = {m: model_stats(stats_client, m) for m in (ENSEMBLE, PLACEHOLDER, PREPROCESS, ENCODER)}
     for m, row in table.items():
         row["our_code_s"] = ours.get(m, 0.0)
     return table
 
 
-def our_code_seconds(metrics_url: str) -> dict[str, float]:
-    """model -> cumulative seconds our code spent in execute (kimi_vision_step_seconds_sum): host time,
-    GPU work may still run after it. Triton's compute infer minus this is the Python backend's own
-    share (moving tensors and messages between server and stub) plus waiting for the GPU."""
-    return {labels["model"]: value for name, labels, value in scrape(metrics_url, timeout_s=10)
-            if name == "kimi_vision_step_seconds_sum" and "model" in labels}
-
-
 def our_seconds(metrics_url: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    """One scrape: model -> cumulative step seconds (as our_code_seconds), and (model, phase) ->
-    cumulative seconds (kimi_vision_phase_seconds_total; KIMI_PHASES=1 in the stubs, backends/phases.py)."""
+    """One scrape: model -> cumulative seconds our code spent in execute (kimi_vision_step_seconds_sum:
+    host time, GPU work may still run after it; Triton's compute infer minus this is the Python
+    backend's own share, moving tensors and messages between server and stub, plus waiting for the
+    GPU), and (model, phase) -> cumulative seconds (kimi_vision_phase_seconds_total; KIMI_PHASES=1 in
+    the stubs, backends/phases.py)."""
     steps, phase = {}, {}
     for name, labels, value in scrape(metrics_url, timeout_s=10):
         if name == "kimi_vision_step_seconds_sum" and "model" in labels:
@@ -141,24 +137,14 @@ def traced_pass(send, tracer: Tracer, metrics_url: str, n: int) -> dict:
 
 
 def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> dict:
-    """n requests from `concurrency` threads at once (each thread's `send` from make_send(), called on
-    that thread; a sender may hold its own client and regions), all traced: moonvit3d's executions
-    (batches) and the medians of their stretches, how much of the run the encoder's executions
-    covered, and requests per second."""
+    """n requests from `concurrency` threads at once, all traced: moonvit3d's executions (batches) and
+    the medians of their stretches, how much of the run the encoder's executions covered, and requests
+    per second. Each thread sends with its own `make_send(held)`, made before the clock starts; a
+    sender enters what it holds (its own client and regions) into `held`, an ExitStack closed when the
+    pass ends."""
     left, lock, errors = [n], threading.Lock(), []
-    ready = threading.Barrier(concurrency + 1)  # senders set up (clients, regions) before the clock starts
 
-    def worker():
-        try:
-            send = make_send()
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-            ready.abort()
-            return
-        try:
-            ready.wait()
-        except threading.BrokenBarrierError:
-            return
+    def worker(send):
         try:
             while True:
                 with lock:
@@ -171,17 +157,14 @@ def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> di
 
     tracer.trace(n)
     try:
-        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-        for t in threads:
-            t.start()
-        try:
-            ready.wait()
-        except threading.BrokenBarrierError:
-            pass  # a sender could not be set up: its error is raised below
-        start = time.perf_counter()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
+        with contextlib.ExitStack() as held:
+            threads = [threading.Thread(target=worker, args=(make_send(held),)) for _ in range(concurrency)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
         if errors:
             raise errors[0]
         traced = tracer.read(timeout_s=30)
@@ -320,10 +303,8 @@ def main(argv=None) -> int:
     torch.cuda.empty_cache()
 
     results, lines = {}, []
-    trace_file = (args.out / "trace" / "trace.json").resolve()
-    trace_file.parent.mkdir(parents=True, exist_ok=True)
-    for old in trace_file.parent.glob("trace.json*"):  # a warm machine's earlier run
-        old.unlink()
+    trace_file = args.out / "trace" / "trace.json"
+    clear_traces(trace_file)  # a warm machine's earlier run
     # KIMI_PHASES: the stubs take their own host time apart by phase (a few microseconds per request).
     with deployment_server(dep, "stages", trace_file=trace_file, env={"KIMI_PHASES": "1"}) as server, \
             contextlib.ExitStack() as held:
@@ -339,7 +320,6 @@ def main(argv=None) -> int:
             ImagesRegion(client, max(sum(map(len, blobs)) + 4 * len(blobs) for _, blobs, _ in requests.values())))
         tracer = Tracer(stats_client, server.trace_file)
         ways = {"body": {}, "region": {"images_region": inputs}}
-        regions_lock = threading.Lock()
         for case, (ids, blobs, capacity) in requests.items():
             for _ in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
                 client.infer_into(region, ids, blobs)
@@ -365,13 +345,12 @@ def main(argv=None) -> int:
             if args.trace_requests > 0:  # after the statistics' window: tracing costs a little
                 results[case]["trace"] = traced_pass(lean, tracer, server.metrics_url, args.trace_requests)
             if args.batch_trace_requests > 0 and case in args.batch_trace_cases.split(","):
-                def make_send(ids=ids, blobs=blobs, capacity=capacity):
+                def make_send(held, ids=ids, blobs=blobs, capacity=capacity):
                     # Each thread its own client and regions (one request at a time per region).
                     own = KimiVisionClient(server.grpc_url)
-                    with regions_lock:
-                        held.callback(own.close)
-                        out = held.enter_context(CudaOutputRegion(own, capacity))
-                        images = held.enter_context(ImagesRegion(own))
+                    held.callback(own.close)
+                    out = held.enter_context(CudaOutputRegion(own, capacity))
+                    images = held.enter_context(ImagesRegion(own))
                     return lambda: own.infer_into(out, ids, blobs, images_region=images)
 
                 results[case]["batches"] = traced_concurrent(make_send, tracer, args.batch_trace_requests,

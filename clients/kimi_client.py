@@ -238,12 +238,10 @@ class KimiVisionClient:
 
     def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
         import tritonclient.utils.shared_memory as shm
-        from tritonclient.utils import serialize_byte_tensor
 
         tag = uuid.uuid4().hex[:12]
-        serialized = serialize_byte_tensor(blobs)
-        serialized = serialized.item() if serialized.size else b""
-        in_size = ids.nbytes + len(serialized)
+        parts, images_size = _byte_tensor_parts(blobs)
+        in_size = ids.nbytes + images_size
         in_name, out_name = f"kimi_in_{tag}", f"kimi_out_{tag}"
         with _Cleanup(self) as cleanup:
             h_in = shm.create_shared_memory_region(in_name, f"/{in_name}", max(in_size, 1))
@@ -251,15 +249,15 @@ class KimiVisionClient:
             h_out = shm.create_shared_memory_region(out_name, f"/{out_name}", capacity)
             cleanup.destroy(lambda: shm.destroy_shared_memory_region(h_out))
             shm.set_shared_memory_region(h_in, [ids])
-            if serialized:
-                shm.set_shared_memory_region(h_in, [np.frombuffer(serialized, dtype=np.uint8)], offset=ids.nbytes)
+            if images_size:
+                shm.set_shared_memory_region(h_in, parts, offset=ids.nbytes)
             for name, size in ((in_name, max(in_size, 1)), (out_name, capacity)):
                 self.client.register_system_shared_memory(name, f"/{name}", size, **self._h())
                 cleanup.unregister(name, "system")
             a, b = self._inputs(ids, blobs)
             a.set_shared_memory(in_name, ids.nbytes)
-            if serialized:
-                b.set_shared_memory(in_name, len(serialized), offset=ids.nbytes)
+            if images_size:
+                b.set_shared_memory(in_name, images_size, offset=ids.nbytes)
             else:
                 b.set_data_from_numpy(self._batch(blobs))
             requested = self._requested(wanted)
@@ -350,8 +348,8 @@ class _Cleanup:
 
 class ImagesRegion:
     """A POSIX shared-memory region of this process for the encoded images of a request, registered with
-    the server once (same host) and rewritten by each request: the image bytes then travel by one
-    serialization and copy into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
+    the server once (same host) and rewritten by each request: the image bytes then travel by one copy
+    into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
     less end to end for one 1.3 MB JPEG; for smaller requests the gain was within the run-to-run spread;
     bench/results/h200-2026-12-02-thirteenth.md).
 
@@ -379,22 +377,20 @@ class ImagesRegion:
         return handle, name, capacity
 
     def write(self, blobs: np.ndarray) -> int:
-        """The images, serialized as the server reads BYTES (a 4-byte little-endian length before each),
-        written at the region's start; returns their size in bytes."""
-        from tritonclient.utils import serialize_byte_tensor
-
+        """The images as the server reads BYTES (a 4-byte little-endian length before each), written at
+        the region's start, each image's bytes copied once; returns their size in bytes."""
         if self.handle is None:
             raise ValueError(f"images region {self.name} is closed")
-        serialized = serialize_byte_tensor(blobs)
-        data = np.frombuffer(serialized.item(), dtype=np.uint8)
-        if data.size > self.capacity:
+        parts, size = _byte_tensor_parts(blobs)
+        if size > self.capacity:
             # The larger region first: should it fail, this one stays as it was, still usable.
-            new = self._create(max(data.size, 2 * self.capacity))
+            new = self._create(max(size, 2 * self.capacity))
             old_handle, old_name = self.handle, self.name
             self.handle, self.name, self.capacity = new
             self._release(old_handle, old_name)
-        self._shm.set_shared_memory_region(self.handle, [data])
-        return int(data.size)
+        if parts:
+            self._shm.set_shared_memory_region(self.handle, parts)
+        return size
 
     def _release(self, handle, name: str) -> None:
         try:
@@ -464,6 +460,18 @@ class CudaOutputRegion:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _byte_tensor_parts(blobs: np.ndarray) -> tuple[list[np.ndarray], int]:
+    """A BYTES tensor's layout in shared memory (what tritonclient's serialize_byte_tensor builds: each
+    element's 4-byte little-endian length, then its bytes) as arrays to copy one after another, without
+    joining them into one buffer first; and their size in bytes."""
+    parts, size = [], 0
+    for blob in blobs.reshape(-1):
+        data = np.frombuffer(blob.encode("utf-8") if isinstance(blob, str) else blob, dtype=np.uint8)
+        parts += [np.array([data.size], dtype="<u4"), data]
+        size += 4 + data.size
+    return parts, size
 
 
 def _check_outputs(outputs: Sequence[str]) -> list[str]:

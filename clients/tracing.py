@@ -183,6 +183,15 @@ def batch_stretches(found: list[Batch]) -> list[dict[str, float]]:
     return rows
 
 
+def clear(trace_file: Path) -> None:
+    """Remove what an earlier server wrote to `trace_file` (the file and its `<file>.<n>`), before a
+    server that will write there starts: its traces then stand alone in the folder."""
+    trace_file = Path(trace_file)
+    for old in trace_file.parent.glob(trace_file.name + "*"):
+        if old == trace_file or old.suffix[1:].isdigit():
+            old.unlink()
+
+
 class Tracer:
     """Turns a server's tracing on for a few requests and reads what it wrote. `client`: a tritonclient
     InferenceServerClient (gRPC or HTTP) of a server started with `trace_file`; `headers`: the admin

@@ -30,7 +30,7 @@ from backends.preprocess.nvjpeg import NVJPEG_OUTPUT_YUV
 from backends.preprocess.decode import open_image
 from backends.preprocess.preprocessor import Preprocessor, open_images
 from bench.cases import case_jpegs
-from bench.gpu_timing import timed
+from bench.gpu_timing import spin, timed
 
 
 def _ms(fn, iters: int, before=None) -> float:
@@ -86,18 +86,12 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
     # the scan check's threads still sleep); the scan checks not run at all (here only: the GPU's answer
     # taken unchecked, which serving never does).
     out.append(f"| Preprocessor, after {gap_ms:.0f} ms of this thread spinning | "
-               f"{_ms(lambda: pre(blobs), iters, lambda: _spin_for(gap_ms)):.3f} |")
+               f"{_ms(lambda: pre(blobs), iters, lambda: spin(gap_ms / 1e3)):.3f} |")
     with mock.patch.object(jpeg_gpu, "_start", _unchecked):
         out.append(f"| Preprocessor without scan checks (probe only), back to back | {_ms(lambda: pre(blobs), iters):.3f} |")
         out.append(f"| Preprocessor without scan checks (probe only), after {gap_ms:.0f} ms idle | "
                    f"{_ms(lambda: pre(blobs), iters, lambda: time.sleep(gap_ms / 1e3)):.3f} |")
     return out + [""]
-
-
-def _spin_for(ms: float) -> None:
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
 
 
 class _Unchecked:

@@ -33,6 +33,7 @@ from PIL import Image
 
 from backends.preprocess import host_threads, scan_check
 from bench.cases import case_jpegs
+from bench.gpu_timing import spin
 from clients.samples import encode, photo_like
 from oracles.jpeg_corpus import damaged
 
@@ -80,12 +81,6 @@ def agreement(seeds: int) -> int:
     return differ
 
 
-def _busy(ms: float) -> None:
-    end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
-
-
 def overlap(busy_ms=(0.0, 1.0, 2.0, 4.0, 8.0), rounds: int = 30) -> None:
     pool = host_threads.pool()
 
@@ -107,7 +102,7 @@ def overlap(busy_ms=(0.0, 1.0, 2.0, 4.0, 8.0), rounds: int = 30) -> None:
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     pending = start(blobs)
-                    _busy(busy)
+                    spin(busy / 1e3)
                     t1 = time.perf_counter()
                     verdicts = [v.result() for v in pending]
                     t2 = time.perf_counter()

@@ -135,9 +135,14 @@ class ModelMetrics:
             self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
 
     def phases(self, seconds: dict[str, float]) -> None:
-        """One request's (or batch's) phases, name -> seconds (backends/phases.end())."""
-        for phase, value in seconds.items():
-            self._add("kimi_vision_phase_seconds_total", value, phase=phase)
+        """One request's (or batch's) phases, name -> seconds (backends/phases.end()), under one lock."""
+        if not seconds:
+            return
+        with self._lock:
+            for phase, value in seconds.items():
+                if value:
+                    self._sums[("kimi_vision_phase_seconds_total", (("phase", phase),))] += value
+        self._started()
 
     def step_time(self, seconds: float) -> None:
         with self._lock:

@@ -4,6 +4,7 @@ import pytest
 
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import BUILD, deployment_server
+from clients import tracing
 from server_state import down, restarts, unexplained_restarts, wait_ready
 
 
@@ -13,9 +14,7 @@ def server():
     # encoder tens of milliseconds apart, and the batching tests need them to meet.
     # A trace file, as the launcher's --trace-file gives one: tracing stays off until test_tracing turns it on.
     trace = BUILD / "trace-test" / "trace.json"
-    trace.parent.mkdir(parents=True, exist_ok=True)
-    for old in trace.parent.glob("trace.json*"):
-        old.unlink()
+    tracing.clear(trace)
     # KIMI_PHASES: the stubs count their host time by phase (backends/phases.py), as the stage benchmark has them.
     srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test", trace_file=trace,
                             env={"KIMI_PHASES": "1"})

@@ -53,13 +53,23 @@ def test_traced_requests_over_both_protocols_cut_into_stretches_that_add_up(serv
         # Each cut point follows the one before it by cause (the next step needs the answer of the one
         # before; the client sends before the server reads): a negative stretch means a wrong cut.
         assert all(ms >= 0 for _, ms in cut), cut
+        # Consecutive points from the send to the receive: no stretch left out between them.
         assert sum(ms for _, ms in cut) == pytest.approx((received - sent) / 1e6, abs=1e-6)
         assert len({label for label, _ in cut}) == len(cut)
-    # Turned off: the next request writes nothing.
+    # Turned off: the next request writes nothing; one traced after it writes exactly one file (so a
+    # late write from the untraced one would show here too).
     before = _files(server)
     grpc.infer(ids, BLOBS)
     time.sleep(0.5)
     assert _files(server) == before
+    tracer.trace(1)
+    try:
+        grpc.infer(ids, BLOBS)
+        assert len(tracer.read()) == 1
+    finally:
+        tracer.stop()
+    time.sleep(0.5)
+    assert len(_files(server) - before) == 1
 
 
 def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
@@ -93,16 +103,14 @@ def test_concurrent_requests_traced_show_the_encoders_batches(server, clients):
     ids = chat_prompt_ids(len(BLOBS))
     made = []
 
-    def make_send():
+    def make_send(held):
         own = KimiVisionClient(server.grpc_url)
+        held.callback(own.close)
         made.append(own)
         return lambda: own.infer(ids, BLOBS)
 
-    try:
-        result = traced_concurrent(make_send, Tracer(grpc.client, server.trace_file), 8, 4)
-    finally:
-        for c in made:
-            c.close()
+    result = traced_concurrent(make_send, Tracer(grpc.client, server.trace_file), 8, 4)
+    assert len(made) == 4  # one sender per thread, closed with the pass
     assert result["requests"] == 8 and sum(result["batch_sizes"]) == 8
     assert max(result["batch_sizes"]) > 1, result  # a batch was formed
     assert result["batches"] == len(result["batch_sizes"]) < 8

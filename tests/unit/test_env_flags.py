@@ -1,6 +1,8 @@
 """On/off settings from the environment read one way (backends.config.env_flag): KIMI_GPU_JPEG=false
 used to leave GPU decoding on (only "0" turned it off), while KIMI_MPS took 1/true/yes/on."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -68,6 +70,7 @@ def test_kimi_jpeg_header_chooses_who_reads_headers(value, handle):
             "buf = io.BytesIO(); Image.new('RGB', (8, 8)).save(buf, 'JPEG')\n"
             "print(type(open_image(buf.getvalue(), 0, 10**6)).__name__)")
     env = {**os.environ, "KIMI_JPEG_HEADER": value}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]  # `backends` importable wherever pytest was started
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == handle

@@ -37,9 +37,29 @@ def _blobs(*sizes):
     return np.array([bytes([i % 251]) * n for i, n in enumerate(sizes)], dtype=np.object_)
 
 
+def test_the_region_holds_the_bytes_tritonclient_would_send():
+    """The images are written piece by piece; the region must hold what serialize_byte_tensor builds."""
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import serialize_byte_tensor
+
+    blobs = _blobs(10, 0, 300)
+    with ImagesRegion(_Client(), capacity=16) as region:  # grows on the way
+        size = region.write(blobs)
+        expected = serialize_byte_tensor(blobs).item()
+        assert size == len(expected)
+        assert shm.get_contents_as_numpy(region.handle, np.uint8, [size]).tobytes() == expected
+
+
 def test_a_refused_growth_leaves_the_region_as_it_was_and_close_removes_it():
     client = _Client()
     region = ImagesRegion(client, capacity=64)
+    try:
+        _refused_growth(client, region)
+    finally:
+        region.close()
+
+
+def _refused_growth(client, region):
     name = region.name
     assert os.path.exists(f"/dev/shm/{name}") and client.client.registered == {name}
     assert region.write(_blobs(10, 20)) == 10 + 20 + 8  # a 4-byte length before each image

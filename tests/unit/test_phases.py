@@ -29,7 +29,9 @@ def test_off_it_records_nothing(monkeypatch):
 
 
 def test_marks_charge_the_time_since_the_previous_one_in_first_marked_order(on):
+    assert getattr(phases._local, "clock", None) is None
     phases.mark("before any request")  # no clock open: nothing
+    assert getattr(phases._local, "clock", None) is None
     phases.begin()
     time.sleep(0.02)
     phases.mark("slow")

@@ -1,5 +1,5 @@
 """bench/stage_bench's concurrent traced pass when a sender cannot be set up: the error comes back, no
-thread is left waiting, and tracing is turned off again (the real pass runs in
+thread is left waiting, what the senders held is closed, and tracing is turned off again (the real pass runs in
 tests/integration/test_tracing.py)."""
 
 import threading
@@ -24,9 +24,10 @@ class _Tracer:
 
 
 def test_a_sender_that_cannot_be_set_up_fails_the_pass_without_hanging():
-    made, sent, lock = [], [], threading.Lock()
+    made, sent, closed, lock = [], [], [], threading.Lock()
 
-    def make_send():
+    def make_send(held):
+        held.callback(lambda: closed.append(1))
         with lock:
             made.append(1)
             third = len(made) == 3
@@ -35,8 +36,10 @@ def test_a_sender_that_cannot_be_set_up_fails_the_pass_without_hanging():
         return lambda: sent.append(1)
 
     tracer = _Tracer()
-    before = threading.active_count()
+    before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="no region for this thread"):
         traced_concurrent(make_send, tracer, 8, 4)
     assert tracer.calls == [("trace", 8), ("stop",)]
-    assert threading.active_count() == before  # every worker returned
+    assert threading.active_count() == len(before)  # every worker returned
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert sent == [] and len(closed) == 3  # nothing sent; what the senders set up was closed
