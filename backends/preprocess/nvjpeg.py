@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from backends import phases
+
 NVJPEG_BACKEND_HARDWARE = 3
 NVJPEG_OUTPUT_YUV = 1
 # Bitstreams of this many decodes, or this many bytes of them (a request of large JPEGs), may stay
@@ -194,8 +196,10 @@ class HardwareJpegDecoder:
                  "nvjpegDecodeBatchedInitialize")
         pointers = (ctypes.c_char_p * len(datas))(*datas)
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
+        phases.mark("nvJPEG buffers")
         self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
+        phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
         size = sum(map(len, datas))

@@ -35,9 +35,23 @@ SOURCE = Path(__file__).with_name("scan_check.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # THREADS: threads one large scan is checked on (scan_check.c gives each at least 16 KB of scan), and
 # the threads a batch of checks runs on; the C library's pool of threads is started on first use and
-# kept. Every core, up to 16: unlike Pillow's decode threads (host_threads) these never take the GIL,
-# and a check is the longest part of preprocessing a large JPEG, or of eight small ones.
-THREADS = max(1, min(16, os.cpu_count() or 1))
+# kept. Every core this process may run on, up to 16: unlike Pillow's decode threads (host_threads)
+# these never take the GIL, and a check is the longest part of preprocessing a large JPEG, or of eight
+# small ones. KIMI_SCAN_CHECK_THREADS (1-16) sets it, e.g. for a host shared with other services.
+MAX_THREADS = 16  # scan_check.c's MAX_THREADS
+
+
+def _threads() -> int:
+    value = os.environ.get("KIMI_SCAN_CHECK_THREADS", "").strip()
+    if not value:
+        return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1))
+    if not value.isdigit() or not 1 <= int(value) <= MAX_THREADS:
+        raise ValueError(f"KIMI_SCAN_CHECK_THREADS={value!r}: expected a whole number from 1 to {MAX_THREADS}")
+    return int(value)
+
+
+THREADS = _threads()
 
 # The C function's answers (0: the GPU route may take the image).
 REASONS = {
