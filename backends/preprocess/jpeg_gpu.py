@@ -27,7 +27,6 @@ from backends.config import env_flag
 from backends.kernels import jpeg_color
 from backends.preprocess import scan_check
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
-from backends.preprocess.views import spacing, stacked
 
 log = logging.getLogger("kimi_vision.jpeg")
 
@@ -233,7 +232,7 @@ class GpuJpegDecoder:
         if todo:
             planes = self.decoder.decode_planes([blobs[k] for k in todo], [infos[k] for k in todo])
             for run in _runs([infos[k] for k in todo]):
-                rgb = _convert([planes[r] for r in run], infos[todo[run[0]]])
+                rgb = _convert(planes.stacked(run), infos[todo[run[0]]])
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
             phases.mark("colour launched")
@@ -284,18 +283,11 @@ def _start(indices: list[int], blobs, max_pixels: int) -> dict:
     return {i: checks.pending(k) for k, i in enumerate(indices)}
 
 
-def _convert(planes: list[list[torch.Tensor]], info: JpegInfo) -> torch.Tensor:
-    """One run's images (their planes, all of `info`) -> (n, H, W, 3) uint8 RGB: one launch of the colour
-    kernel, or for grayscale one copy of the repeated Y planes. decode_planes lays the images out back to
-    back, each one's planes in order, so a run's planes of one kind lie one image's bytes apart and are
-    read as one strided view; a decoder that placed any plane elsewhere raises here rather than feed the
-    kernel other bytes (the caller then decodes with Pillow)."""
-    first = planes[0]
-    step = sum(p.numel() for p in first)
-    for i, image in enumerate(planes[1:], 1):
-        if any(spacing(a, b) != i * step for a, b in zip(first, image)):
-            raise RuntimeError(f"the decoder's planes are not back to back (image {i} of a run)")
-    y, *chroma = (stacked([image[c] for image in planes], step) for c in range(len(first)))
+def _convert(planes: list[torch.Tensor], info: JpegInfo) -> torch.Tensor:
+    """One run's images, their planes of `info` as (n, rows, cols) views (DecodedPlanes.stacked) ->
+    (n, H, W, 3) uint8 RGB: one launch of the colour kernel, or for grayscale one copy of the repeated
+    Y planes."""
+    y, *chroma = planes
     if info.factors is None:  # grayscale: convert("RGB") repeats L
         return y.unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
     return jpeg_color.ycc_to_rgb_batch(y, *chroma, *info.factors)  # Y planes are (height, width)

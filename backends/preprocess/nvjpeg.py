@@ -20,8 +20,10 @@ import importlib.util
 import os
 import sysconfig
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backends import phases
@@ -32,6 +34,10 @@ NVJPEG_OUTPUT_YUV = 1
 # referenced before the decoder asks the stream which decodes it has passed.
 _QUERY_AFTER = 4
 _QUERY_AFTER_BYTES = 16 << 20
+# A decode's bitstreams up to this many bytes go to nvJPEG from page-locked host memory (decode_planes);
+# larger batches (a few huge JPEGs, where the decode itself dominates) stay where they are, so the
+# page-locked blocks that torch's host allocator keeps for reuse stay small.
+PINNED_BITSTREAM_BYTES = 8 << 20
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -83,7 +89,7 @@ _SIGNATURES = {
     "nvjpegJpegStreamParseHeader": [_P, ctypes.c_char_p, _SIZE, _P],
     "nvjpegDecodeBatchedSupported": [_P, _P, ctypes.POINTER(_INT)],
     "nvjpegDecodeBatchedInitialize": [_P, _P, _INT, _INT, _INT],
-    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
+    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(_P), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
 }
 
 
@@ -124,8 +130,9 @@ class HardwareJpegDecoder:
             self._ok(status, "nvjpegCreateEx(HARDWARE)")
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
-        # Bitstreams stay referenced until the stream has passed the decode that reads them.
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int, int]] = deque()  # event, bitstreams, their size, stream
+        # Bitstreams (their page-locked copy, or the bytes objects) stay referenced until the stream has
+        # passed the decode that reads them: (event, bitstreams, their size, stream).
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes] | torch.Tensor, int, int]] = deque()
         self._held_bytes = 0
 
     @staticmethod
@@ -174,35 +181,95 @@ class HardwareJpegDecoder:
             _, _, size, _ = self._in_flight.popleft()
             self._held_bytes -= size
 
-    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> list[list[torch.Tensor]]:
-        """Every image's planes (Y[, Cb, Cr]) as uint8 (rows, cols) views on the device, written by one
-        batched hardware decode on the current stream (no host sync)."""
+    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo], pinned: bool | None = None) -> "DecodedPlanes":
+        """Every image's planes (Y[, Cb, Cr]) as uint8 on the device, written by one batched hardware
+        decode on the current stream (no host sync), laid out back to back in one buffer. Only offsets
+        are computed here (no per-plane tensor views): DecodedPlanes.stacked views a run of them.
+
+        nvJPEG copies each bitstream to the device with cudaMemcpyAsync. From pageable memory (a bytes
+        object) that copy holds the host until it is done, one image after another; from page-locked
+        memory it is queued like any other copy. So the bitstreams are first copied, back to back, into
+        one page-locked block (`pinned`: None = when they total at most PINNED_BITSTREAM_BYTES; False
+        hands nvJPEG the bytes objects)."""
         self._release_bitstreams()
-        sizes = [[w * h for w, h in zip(i.widths, i.heights)] for i in infos]
+        starts, total = [], 0
+        for info in infos:
+            starts.append(total)
+            total += plane_bytes(info)
         slack = 1 << 16  # room past the last plane, should the decoder write whole MCU rows
-        buffer = torch.empty(sum(map(sum, sizes)) + slack, dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(total + slack, dtype=torch.uint8, device=self.device)
+        base = buffer.data_ptr()
         images = (_Image * len(datas))()
-        planes, offset = [], 0
-        for k, (info, plane_sizes) in enumerate(zip(infos, sizes)):
-            views = []
-            for c, size in enumerate(plane_sizes):
-                view = buffer[offset: offset + size].view(info.heights[c], info.widths[c])
-                images[k].channel[c], images[k].pitch[c] = view.data_ptr(), info.widths[c]
-                views.append(view)
-                offset += size
-            planes.append(views)
+        for k, (info, start) in enumerate(zip(infos, starts)):
+            offset = start
+            for c, (w, h) in enumerate(zip(info.widths, info.heights)):
+                images[k].channel[c], images[k].pitch[c] = base + offset, w
+                offset += w * h
         stream = torch.cuda.current_stream(self.device)
+        phases.mark("nvJPEG buffers")
         self._ok(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, len(datas), 1, NVJPEG_OUTPUT_YUV),
                  "nvjpegDecodeBatchedInitialize")
-        pointers = (ctypes.c_char_p * len(datas))(*datas)
+        phases.mark("nvjpegDecodeBatchedInitialize")
+        size = sum(map(len, datas))
+        if pinned is None:
+            pinned = size <= PINNED_BITSTREAM_BYTES
+        if pinned:
+            # Kept (below) until the stream has passed this decode: the copies read it after we return.
+            held = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
+            at = pack_bitstreams(datas, held.numpy())
+            base = held.data_ptr()
+            pointers = (_P * len(datas))(*[base + a for a in at])
+        else:
+            held = list(datas)
+            pointers = ctypes.cast((ctypes.c_char_p * len(datas))(*datas), ctypes.POINTER(_P))
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
-        phases.mark("nvJPEG buffers")
+        phases.mark("nvJPEG bitstreams")
         self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
         phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        size = sum(map(len, datas))
-        self._in_flight.append((event, list(datas), size, stream.cuda_stream))
+        self._in_flight.append((event, held, size, stream.cuda_stream))
         self._held_bytes += size
-        return planes
+        return DecodedPlanes(buffer, tuple(starts), tuple(infos))
+
+
+def pack_bitstreams(datas: list[bytes], out: np.ndarray) -> list[int]:
+    """Copies `datas` back to back into the uint8 array `out`; returns where each one starts."""
+    starts, offset = [], 0
+    for data in datas:
+        out[offset: offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        starts.append(offset)
+        offset += len(data)
+    return starts
+
+
+def plane_bytes(info: JpegInfo) -> int:
+    """Bytes of one image's planes, back to back (pitch = width)."""
+    return sum(w * h for w, h in zip(info.widths, info.heights))
+
+
+@dataclass(frozen=True)
+class DecodedPlanes:
+    """Where one batched decode wrote its images' planes: in `buffer` (uint8, flat), image k's planes
+    (Y[, Cb, Cr], each (rows, cols) of infos[k], pitch = cols) back to back from element starts[k]."""
+
+    buffer: torch.Tensor
+    starts: tuple[int, ...]
+    infos: tuple[JpegInfo, ...]
+
+    def stacked(self, run: Sequence[int]) -> list[torch.Tensor]:
+        """The planes of images `run` (one info, consecutive in the buffer) as one (n, rows, cols)
+        strided view per plane kind, image i at i * (its planes' bytes): one kernel launch reads them all.
+        Raises if they are not one image's bytes apart (the caller then decodes them with Pillow) rather
+        than have the kernel read other bytes."""
+        info, first = self.infos[run[0]], self.starts[run[0]]
+        step = plane_bytes(info)
+        for i, k in enumerate(run):
+            if self.infos[k] != info or self.starts[k] != first + i * step:
+                raise RuntimeError(f"the decoder's planes are not back to back (image {i} of a run)")
+        views, offset = [], self.buffer.storage_offset() + first
+        for w, h in zip(info.widths, info.heights):
+            views.append(self.buffer.as_strided((len(run), h, w), (step, w, 1), offset))
+            offset += w * h
+        return views

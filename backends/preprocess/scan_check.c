@@ -559,6 +559,14 @@ static void pool_postfork_child(void) {
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
 static void register_fork(void) { pthread_atfork(pool_prefork, pool_postfork_parent, pool_postfork_child); }
 
+/* Wakes idle workers for `jobs` jobs just queued (under pool_lock): one signal each, never more than
+ * there are workers. Not a broadcast: a one-image request would wake every idle worker of the pool
+ * (up to 16), each waking an idle core, to find one job; a worker takes queued jobs before it waits
+ * again, so no job is left without a thread. */
+static void wake_workers(int jobs) {
+  for (int i = 0; i < jobs && i < workers; i++) pthread_cond_signal(&pool_work);
+}
+
 /* Workers up to `wanted` (under pool_lock); how many there are. */
 static int grow_pool(int wanted) {
   while (workers < wanted) {
@@ -599,7 +607,7 @@ static void run_phase(Track *tr, int first, int last, int phase, Job *jobs, Trac
       queue_head = &jobs[t];
     queue_tail = &jobs[t];
   }
-  pthread_cond_broadcast(&pool_work);
+  wake_workers(last - first);
   pthread_cond_broadcast(&pool_done); /* a thread waiting for a verdict helps too (kimi_scan_batch_wait) */
   pthread_mutex_unlock(&pool_lock);
   if (mine) {
@@ -922,7 +930,7 @@ Batch *kimi_scan_batch_start(int n, const uint8_t **data, const size_t *len, int
       queue_head = &b->jobs[i];
     queue_tail = &b->jobs[i];
   }
-  pthread_cond_broadcast(&pool_work);
+  wake_workers(n);
   pthread_mutex_unlock(&pool_lock);
   return b;
 }

@@ -1,7 +1,7 @@
 """Several same-shaped tensors that lie at one fixed distance from each other inside one storage, seen as
-one batch without a copy. The GPU decoder's planes (one buffer per batched decode) and the frames its
-colour kernel writes (one tensor per run) are such tensors: a run of them goes through one kernel launch.
-"""
+one batch without a copy: the frames the GPU decode's colour kernel writes (one tensor per run) are such
+tensors, and a run of them goes through one kernel launch. (The decoder's own planes are laid out by
+offsets, nvjpeg.DecodedPlanes.)"""
 
 from __future__ import annotations
 

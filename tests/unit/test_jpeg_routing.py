@@ -14,7 +14,7 @@ from PIL import Image
 from backends.kernels import jpeg_color
 from backends.preprocess import jpeg_gpu
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder, pillow_reason
-from backends.preprocess.nvjpeg import JpegInfo
+from backends.preprocess.nvjpeg import DecodedPlanes, JpegInfo, plane_bytes
 from oracles.jpeg_corpus import header_segments, sos_offset
 
 
@@ -124,12 +124,9 @@ class _WrongDecoder:
 
     def decode_planes(self, datas, infos):
         """Flat grey planes, laid out as the real one lays them out: per image Y, Cb, Cr in one buffer."""
-        buf = torch.full((sum(w * h for i in infos for w, h in zip(i.widths, i.heights)),), 77, dtype=torch.uint8)
-        out, offset = [], 0
-        for i in infos:
-            out.append(_planes_at(buf, offset, i))
-            offset += sum(w * h for w, h in zip(i.widths, i.heights))
-        return out
+        starts = np.cumsum([0] + [plane_bytes(i) for i in infos]).tolist()
+        buf = torch.full((starts[-1],), 77, dtype=torch.uint8)
+        return DecodedPlanes(buf, tuple(starts[:-1]), tuple(infos))
 
 
 def _batch_reference(y, cb, cr, fx, fy):  # the conversion, without the GPU kernel
@@ -192,39 +189,46 @@ def test_runs_group_consecutive_images_of_one_info():
     assert _runs([]) == [] and [list(r) for r in _runs([gray])] == [[0]]
 
 
-def _planes_at(buf: torch.Tensor, offset: int, info: JpegInfo) -> list[torch.Tensor]:
-    """One image's planes as decode_planes lays them out, starting `offset` elements into `buf`."""
-    views = []
-    for w, h in zip(info.widths, info.heights):
-        views.append(buf[offset: offset + w * h].view(h, w))
-        offset += w * h
-    return views
-
-
-def _decoder_over(info: JpegInfo, layout: list) -> GpuJpegDecoder:
-    """A GpuJpegDecoder whose stand-in hardware decoder reads every blob as `info` and returns `layout`."""
+def _decoder_over(info: JpegInfo, starts: tuple[int, ...]) -> GpuJpegDecoder:
+    """A GpuJpegDecoder whose stand-in hardware decoder reads every blob as `info` and says it wrote
+    image k's planes from starts[k] of one buffer."""
+    planes = DecodedPlanes(torch.zeros(max(starts) + plane_bytes(info), dtype=torch.uint8), starts, (info,) * len(starts))
     dec = object.__new__(GpuJpegDecoder)
     dec.decoder = SimpleNamespace(info=lambda blob: info, unsupported=lambda blob, i: None,
-                                  decode_planes=lambda datas, infos: layout)
+                                  decode_planes=lambda datas, infos: planes)
     dec.stats = Counter()
     return dec
 
 
 def test_planes_not_back_to_back_raise_instead_of_converting_wrong_pixels():
-    """A run is read as strided views one image apart; a decoder that laid its planes out otherwise must
-    stop the decode (the preprocessor then decodes those images with Pillow), not feed the kernel."""
+    """A run is read as strided views one image apart; a decoder whose images lie otherwise must stop
+    the decode (the preprocessor then decodes those images with Pillow), not feed the kernel."""
     info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 12 bytes of planes per image
-    buf = torch.zeros(100, dtype=torch.uint8)
-    layouts = {"the last image elsewhere": [_planes_at(buf, o, info) for o in (0, 12, 40)],
-               "the middle image elsewhere": [_planes_at(buf, o, info) for o in (0, 60, 24)],
-               "one Cr plane elsewhere": [_planes_at(buf, 0, info), [*_planes_at(buf, 12, info)[:2], buf[80:82].view(1, 2)],
-                                          _planes_at(buf, 24, info)]}
-    for what, layout in layouts.items():
-        dec = _decoder_over(info, layout)
+    layouts = {"the last image elsewhere": (0, 12, 40), "the middle image elsewhere": (0, 60, 24),
+               "overlapping images": (0, 6, 12)}
+    for what, starts in layouts.items():
+        dec = _decoder_over(info, starts)
         blobs = [bytes([k]) + b"\xff\xd9" for k in range(3)]
         with pytest.raises(RuntimeError, match="back to back"):
             dec.decode(blobs, [SimpleNamespace(size=(4, 2))] * 3)
         assert dec.stats == Counter(), what  # nothing counted: the caller counts the Pillow decode
+
+
+def test_decoded_planes_view_a_run_where_the_decoder_wrote_it():
+    """DecodedPlanes.stacked gives, for each plane kind, image i's plane at its own offset (the pointers
+    decode_planes hands nvJPEG), in a buffer that is itself a view with an offset."""
+    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # Y 2x4, Cb 1x2, Cr 1x2: 12 bytes per image
+    base = torch.arange(64, dtype=torch.uint8)
+    buf = base[3:]
+    planes = DecodedPlanes(buf, (0, 12, 24, 36), (info,) * 4)
+    y, cb, cr = planes.stacked(range(1, 4))
+    assert y.shape == (3, 2, 4) and cb.shape == cr.shape == (3, 1, 2)
+    for i, k in enumerate(range(1, 4)):
+        start = 3 + 12 * k
+        assert torch.equal(y[i], base[start: start + 8].view(2, 4))
+        assert torch.equal(cb[i], base[start + 8: start + 10].view(1, 2))
+        assert torch.equal(cr[i], base[start + 10: start + 12].view(1, 2))
+    assert plane_bytes(info) == 12 and plane_bytes(JpegInfo(5, 3, 1, 6, (5,), (3,))) == 15
 
 
 class _Event:
@@ -309,8 +313,7 @@ def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_
     blobs = [encode(photo_like(40, 30, seed=s), "JPEG", quality=90) for s in range(3)]
     blobs.append(blobs[0] + b"trailing")  # routed to Pillow by decode itself (no end marker at the end)
     info = JpegInfo(40, 30, 3, 2, (40, 20, 20), (30, 15, 15))  # 1800 bytes of planes per image
-    buf = torch.zeros(10000, dtype=torch.uint8)
-    dec = _decoder_over(info, [_planes_at(buf, o, info) for o in (0, 1800, 5000)])
+    dec = _decoder_over(info, (0, 1800, 5000))
     pre = Preprocessor(MediaConfig())
     pre.jpeg = dec
     got, grid, _ = pre(blobs)

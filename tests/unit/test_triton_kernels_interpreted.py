@@ -123,7 +123,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-from backends.preprocess.nvjpeg import JpegInfo
+from backends.preprocess.nvjpeg import DecodedPlanes, JpegInfo
 
 
 class FakeHardware:
@@ -138,16 +138,16 @@ class FakeHardware:
 
     def decode_planes(self, datas, infos):
         sizes = [w * h for i in infos for w, h in zip(i.widths, i.heights)]
-        buf = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=gen)
-        out, offset = [], 0
+        buf = torch.randint(0, 256, (sum(sizes) + 5,), dtype=torch.uint8, generator=gen)[5:]  # a view with an offset
+        starts, offset = [], 0
         for blob, info in zip(datas, infos):
+            starts.append(offset)
             views = []
             for w, h in zip(info.widths, info.heights):
                 views.append(buf[offset: offset + w * h].view(h, w))
                 offset += w * h
-            self.planes[blob] = views
-            out.append(views)
-        return out
+            self.planes[blob] = views  # the reference reads each image's planes on its own
+        return DecodedPlanes(buf, tuple(starts), tuple(infos))
 
 
 kinds = {"420": JpegInfo(9, 5, 3, 2, (9, 5, 5), (5, 3, 3)), "444": JpegInfo(9, 5, 3, 0, (9, 9, 9), (5, 5, 5)),
