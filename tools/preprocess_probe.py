@@ -77,8 +77,6 @@ def probe(name: str, blobs: list[bytes], iters: int, gap_ms: float) -> list[str]
         out.append(f"| {what} | {_ms(fn, iters):.3f} |")
     host = _host_ms(lambda: dec.decode_planes(blobs, infos), iters)
     out.append(f"| decode_planes, host time until it returns | {host:.3f} |")
-    host = _host_ms(lambda: dec.decode_planes(blobs, infos, pinned=False), iters)
-    out.append(f"| decode_planes, host time until it returns, bitstreams handed over pageable | {host:.3f} |")
     out.append(f"| Preprocessor, after {gap_ms:.0f} ms idle | {_ms(lambda: pre(blobs), iters, lambda: time.sleep(gap_ms / 1e3)):.3f} |")
     cycles = int(gap_ms * 1.5e6)  # a spin of gap_ms at 1.5 GHz: shorter at the H200's ~2 GHz boost
     busy = lambda: (torch.cuda._sleep(cycles), torch.cuda.synchronize())  # noqa: E731

@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from backends import phases
@@ -34,10 +33,6 @@ NVJPEG_OUTPUT_YUV = 1
 # referenced before the decoder asks the stream which decodes it has passed.
 _QUERY_AFTER = 4
 _QUERY_AFTER_BYTES = 16 << 20
-# A decode's bitstreams up to this many bytes go to nvJPEG from page-locked host memory (decode_planes);
-# larger batches (a few huge JPEGs, where the decode itself dominates) stay where they are, so the
-# page-locked blocks that torch's host allocator keeps for reuse stay small.
-PINNED_BITSTREAM_BYTES = 8 << 20
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -89,7 +84,7 @@ _SIGNATURES = {
     "nvjpegJpegStreamParseHeader": [_P, ctypes.c_char_p, _SIZE, _P],
     "nvjpegDecodeBatchedSupported": [_P, _P, ctypes.POINTER(_INT)],
     "nvjpegDecodeBatchedInitialize": [_P, _P, _INT, _INT, _INT],
-    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(_P), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
+    "nvjpegDecodeBatched": [_P, _P, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(_SIZE), ctypes.POINTER(_Image), _P],
 }
 
 
@@ -130,9 +125,8 @@ class HardwareJpegDecoder:
             self._ok(status, "nvjpegCreateEx(HARDWARE)")
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
-        # Bitstreams (their page-locked copy, or the bytes objects) stay referenced until the stream has
-        # passed the decode that reads them: (event, bitstreams, their size, stream).
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes] | torch.Tensor, int, int]] = deque()
+        # Bitstreams stay referenced until the stream has passed the decode that reads them.
+        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int, int]] = deque()  # event, bitstreams, their size, stream
         self._held_bytes = 0
 
     @staticmethod
@@ -181,16 +175,14 @@ class HardwareJpegDecoder:
             _, _, size, _ = self._in_flight.popleft()
             self._held_bytes -= size
 
-    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo], pinned: bool | None = None) -> "DecodedPlanes":
+    def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> "DecodedPlanes":
         """Every image's planes (Y[, Cb, Cr]) as uint8 on the device, written by one batched hardware
         decode on the current stream (no host sync), laid out back to back in one buffer. Only offsets
-        are computed here (no per-plane tensor views): DecodedPlanes.stacked views a run of them.
+        are computed here, no per-plane tensor views (in the stub those views cost 0.17 ms of host time
+        for eight images, docs/jpeg_decoding.md): DecodedPlanes.stacked views a run of them.
 
-        nvJPEG copies each bitstream to the device with cudaMemcpyAsync. From pageable memory (a bytes
-        object) that copy holds the host until it is done, one image after another; from page-locked
-        memory it is queued like any other copy. So the bitstreams are first copied, back to back, into
-        one page-locked block (`pinned`: None = when they total at most PINNED_BITSTREAM_BYTES; False
-        hands nvJPEG the bytes objects)."""
+        The bitstreams go to nvJPEG as the bytes objects they are. Copying them into page-locked memory
+        first was tried twice and cost more host time than it saved (docs/jpeg_decoding.md)."""
         self._release_bitstreams()
         starts, total = [], 0
         for info in infos:
@@ -206,42 +198,20 @@ class HardwareJpegDecoder:
                 images[k].channel[c], images[k].pitch[c] = base + offset, w
                 offset += w * h
         stream = torch.cuda.current_stream(self.device)
-        phases.mark("nvJPEG buffers")
         self._ok(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, len(datas), 1, NVJPEG_OUTPUT_YUV),
                  "nvjpegDecodeBatchedInitialize")
-        phases.mark("nvjpegDecodeBatchedInitialize")
-        size = sum(map(len, datas))
-        if pinned is None:
-            pinned = size <= PINNED_BITSTREAM_BYTES
-        if pinned:
-            # Kept (below) until the stream has passed this decode: the copies read it after we return.
-            held = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
-            at = pack_bitstreams(datas, held.numpy())
-            base = held.data_ptr()
-            pointers = (_P * len(datas))(*[base + a for a in at])
-        else:
-            held = list(datas)
-            pointers = ctypes.cast((ctypes.c_char_p * len(datas))(*datas), ctypes.POINTER(_P))
+        pointers = (ctypes.c_char_p * len(datas))(*datas)
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
-        phases.mark("nvJPEG bitstreams")
+        phases.mark("nvJPEG buffers")
         self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
                                               _P(stream.cuda_stream)), "nvjpegDecodeBatched")
         phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        self._in_flight.append((event, held, size, stream.cuda_stream))
+        size = sum(map(len, datas))
+        self._in_flight.append((event, list(datas), size, stream.cuda_stream))
         self._held_bytes += size
         return DecodedPlanes(buffer, tuple(starts), tuple(infos))
-
-
-def pack_bitstreams(datas: list[bytes], out: np.ndarray) -> list[int]:
-    """Copies `datas` back to back into the uint8 array `out`; returns where each one starts."""
-    starts, offset = [], 0
-    for data in datas:
-        out[offset: offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        starts.append(offset)
-        offset += len(data)
-    return starts
 
 
 def plane_bytes(info: JpegInfo) -> int:
