@@ -9,7 +9,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-THREADS = max(1, min(8, (os.cpu_count() or 1)))
+# The cores this process may run on (its affinity: a container or taskset may give it fewer than the
+# host has), up to 8.
+THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None

@@ -168,7 +168,7 @@ class Preprocessor:
                         log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", group, exc_info=True)
                         self.jpeg.stats[("pillow", "gpu_error")] += len(group)
                         decoded.update((j, None) for j in group)
-                    phases.mark("GPU decode launched")
+                    phases.mark("GPU decode, the rest")  # nvJPEG's own calls and the colour launch are marked inside
                 rgb = decoded.pop(i, None) if i in on_gpu else None
                 if rgb is None and i in on_gpu:  # the hardware decoder refused it: Pillow, here
                     rgb = self._upload(self.host_frame(images[i], i, plan))

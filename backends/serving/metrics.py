@@ -11,7 +11,7 @@ them).
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
 - kimi_vision_phase_seconds_total{model,phase}: with KIMI_PHASES=1 only (backends/phases.py), that
-  time taken apart by phase, e.g. headers, GPU decode launched, scan checks awaited. Per request, so
+  time taken apart by phase, e.g. headers, nvjpegDecodeBatched, colour launched, scan checks awaited. Per request, so
   divided by step_seconds_count it is the mean per request and phase; moonvit3d counts each batch's
   forward once (its step time counts it once per request of the batch).
 

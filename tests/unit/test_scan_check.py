@@ -3,6 +3,7 @@ it: well-formed files pass, each kind of damage is refused with its reason, and 
 to decode is refused too (Pillow raising is libjpeg-turbo's own verdict that the file is broken)."""
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -429,3 +430,40 @@ def test_a_decoded_images_dropped_check_sends_it_to_pillow_under_its_own_reason(
     pending = {0: checks.pending(0), 1: checks.pending(1)}
     checks.close()  # as if something dropped them before settle
     assert GpuJpegDecoder.settle(pending) == {0: "scan_check_dropped", 1: "scan_check_dropped"}
+
+
+def test_the_thread_count_comes_from_the_affinity_or_kimi_scan_check_threads(monkeypatch):
+    """A deployment may set the scan check's threads (KIMI_SCAN_CHECK_THREADS, 1-16); unset, every core the
+    process may run on, up to 16; anything else stops with an error naming the setting."""
+    monkeypatch.delenv("KIMI_SCAN_CHECK_THREADS", raising=False)
+    assert scan_check._threads() == max(1, min(16, len(os.sched_getaffinity(0))))
+    for value, want in (("3", 3), (" 16 ", 16), ("1", 1)):
+        monkeypatch.setenv("KIMI_SCAN_CHECK_THREADS", value)
+        assert scan_check._threads() == want
+    for value in ("0", "17", "four", "-2", "2.5"):
+        monkeypatch.setenv("KIMI_SCAN_CHECK_THREADS", value)
+        with pytest.raises(ValueError, match="KIMI_SCAN_CHECK_THREADS"):
+            scan_check._threads()
+
+
+def test_one_check_after_a_wide_batch_still_gets_its_verdict():
+    """Queued checks wake one idle worker each (not a broadcast): after a batch that grew the pool to many
+    workers, single checks and a batch larger than the pool still all answer, each as check() does."""
+    blobs = [encode(photo_like(96 + 8 * k, 64, seed=k), "JPEG", quality=90) for k in range(20)]
+    wide = scan_check.Checks(blobs, threads=16)
+    assert [wide.verdict(i) for i in range(len(blobs))] == [None] * len(blobs)
+    wide.close()
+    for blob in blobs[:5]:
+        one = scan_check.Checks([blob], threads=16)
+        assert one.verdict(0) is None
+        one.close()
+    large = encode(photo_like(1024, 768, seed=9), "JPEG", quality=95)  # a scan split into tracks
+    assert len(large) >= 4 * 16 * 1024
+    files = [*blobs, large, *(b for _, b in damaged(blobs[0], seed=3, count=12)), large]
+    want = [scan_check.check(b, threads=1) for b in files]
+    assert any(w is not None for w in want)  # some of the damage is refused
+    walks = scan_check.parallel_counts()[0]
+    mixed = scan_check.Checks(files, threads=4)
+    assert [mixed.verdict(i) for i in range(len(want))] == want
+    mixed.close()
+    assert scan_check.parallel_counts()[0] >= walks + 2  # both large scans were checked on several threads
