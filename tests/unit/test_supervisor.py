@@ -109,6 +109,19 @@ def test_serving_is_clear_after_stop_even_when_a_restart_ends_meanwhile(tmp_path
 
     server = Slow(tmp_path / "tritonserver-x.log", failing=0)
     sup = server.supervisor = Supervisor(server, metrics_address="127.0.0.1", metrics_port=0)
+
+    class Recorded(threading.Event):
+        """`serving`, counting the times it is set once stop() has begun: the restart must not set it
+        (stop() clears it again after the join, which alone would hide such a set from the end state)."""
+
+        sets_after_stop = 0
+
+        def set(self):
+            if sup._stop.is_set():
+                Recorded.sets_after_stop += 1
+            super().set()
+
+    sup.serving = Recorded()
     sup._thread = threading.Thread(target=sup._restart, args=("server_exited", "gone"))
     sup._thread.start()
     assert entered.wait(10)
@@ -118,4 +131,4 @@ def test_serving_is_clear_after_stop_even_when_a_restart_ends_meanwhile(tmp_path
     gate.set()
     stopper.join(10)
     assert not stopper.is_alive() and server.starts == 1
-    assert not sup.serving.is_set()
+    assert not sup.serving.is_set() and Recorded.sets_after_stop == 0
