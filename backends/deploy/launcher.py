@@ -348,9 +348,13 @@ class TritonServer:
         fails is kept as `failed-start` (the latest one)."""
         if not self.log_path.exists():
             return None
-        kept = self.log_path.with_suffix(f".{kind}.log")
+        kept = self.kept_log(kind)
         self.log_path.replace(kept)
         return kept
+
+    def kept_log(self, kind: str = "previous") -> Path:
+        """Where keep_log(kind) puts the log (whether or not it has)."""
+        return self.log_path.with_suffix(f".{kind}.log")
 
     def ready(self) -> bool:
         try:

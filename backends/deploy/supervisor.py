@@ -237,7 +237,7 @@ class MetricsRelay:
 class Supervisor:
     """Runs a TritonServer (backends.deploy.launcher) and keeps it serving; the relay serves metrics.
 
-    Same surface as TritonServer for its users (start/stop, context manager, urls, log_path)."""
+    Same surface as TritonServer for its users (start/stop, context manager, urls, log_path, kept_log)."""
 
     def __init__(self, server, *, metrics_address: str, metrics_port: int, poll_s: float = 0.5,
                  start_timeout: float = 600.0):
@@ -272,6 +272,9 @@ class Supervisor:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.server.log_tail(chars)
+
+    def kept_log(self, kind: str = "previous") -> Path:
+        return self.server.kept_log(kind)
 
     def request_stop(self) -> None:
         """From a signal handler: abandon a start or restart in progress; stop() then finishes."""

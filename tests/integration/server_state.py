@@ -94,7 +94,7 @@ def wait_ready(server, timeout_s: float = READY_S) -> bool:
 def _segfaulted(server) -> bool:
     """The server before the last restart died of SIGSEGV (tritonserver logs the signal; the supervisor
     keeps that log beside the new one)."""
-    previous = server.log_path.with_suffix(".previous.log")
+    previous = server.kept_log("previous")
     return previous.exists() and "Signal (11) received" in previous.read_text(errors="replace")
 
 
@@ -116,7 +116,7 @@ def unexplained_restarts(server, before: dict[str, int]) -> str | None:
                       "gRPC request; docs/triton_runtime.md#known-server-limitations)")
         return None
     return (f"{stubs} stub death(s) and {exits} exit(s) of tritonserver; the log of the server that went last: "
-            f"{server.log_path.with_suffix('.previous.log')}")
+            f"{server.kept_log('previous')}")
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
 
 def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
     server = deployment_server(Deployment(device="cpu"), "faults")
-    server.log_path.with_suffix(".previous.log").unlink(missing_ok=True)  # an earlier run's
+    server.kept_log("previous").unlink(missing_ok=True)  # an earlier run's
     prefixes = []
     server.start()
     try:
@@ -109,7 +109,7 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
         os.kill(server.proc.pid, signal.SIGSEGV)
         assert _healed(server, "server_exited", 1, False, backoff_s=30), "not healed after tritonserver died"
         assert _serves(server, batched=True), "not serving after tritonserver died"
-        assert "Signal (11) received" in server.log_path.with_suffix(".previous.log").read_text(errors="replace")
+        assert "Signal (11) received" in server.kept_log("previous").read_text(errors="replace")
         samples = _metrics(server)
         assert _value(samples, "kimi_vision_server_restarts_total", reason="server_exited") == 1
         for model in MODELS:

@@ -46,10 +46,10 @@ def test_instance_names_map_to_models():
 
 class StandIn:
     """A server whose first `failing` starts fail the way a crash while starting does; it writes one log
-    per launch, as tritonserver does. keep_log is the real one."""
+    per launch, as tritonserver does. keep_log and kept_log are the real ones."""
 
     metrics_url = "127.0.0.1:9"  # nothing answers there: scrapes find the server down
-    keep_log = TritonServer.keep_log
+    keep_log, kept_log = TritonServer.keep_log, TritonServer.kept_log
 
     def __init__(self, log_path, failing: int):
         self.log_path, self.failing, self.starts, self.proc = log_path, failing, 0, None
