@@ -13,7 +13,7 @@ from backends.config import DEMO_CONFIG, Limits
 from backends.preprocess import Preprocessor
 from backends.serving.metrics import ModelMetrics
 from clients.samples import encode, photo_like
-from test_metrics import FakePbUtils
+from fake_pb_utils import FakePbUtils
 
 
 @pytest.fixture
