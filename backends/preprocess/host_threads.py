@@ -9,9 +9,16 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-# The cores this process may run on (its affinity: a container or taskset may give it fewer than the
-# host has), up to 8.
-THREADS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container or taskset may give it fewer
+    than the host has), else the host's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+THREADS = min(8, available_cores())
 
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None

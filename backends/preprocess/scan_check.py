@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.folders import own_private_folder
+from backends.preprocess.host_threads import available_cores
 
 SOURCE = Path(__file__).with_name("scan_check.c")
 # -ffp-contract=off: the float bounds round the same wherever they are inlined (the one-thread check and
@@ -44,9 +45,8 @@ MAX_THREADS = 16  # scan_check.c's MAX_THREADS
 def _threads() -> int:
     value = os.environ.get("KIMI_SCAN_CHECK_THREADS", "").strip()
     if not value:
-        return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                          else os.cpu_count() or 1))
-    if not value.isdigit() or not 1 <= int(value) <= MAX_THREADS:
+        return min(MAX_THREADS, available_cores())
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_THREADS:
         raise ValueError(f"KIMI_SCAN_CHECK_THREADS={value!r}: expected a whole number from 1 to {MAX_THREADS}")
     return int(value)
 

@@ -14,7 +14,7 @@ from PIL import Image
 from backends.kernels import jpeg_color
 from backends.preprocess import jpeg_gpu
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder, pillow_reason
-from backends.preprocess.nvjpeg import DecodedPlanes, JpegInfo, plane_bytes
+from backends.preprocess.nvjpeg import DecodedPlanes, JpegInfo, plane_bytes, plane_offsets
 from oracles.jpeg_corpus import header_segments, sos_offset
 
 
@@ -229,6 +229,23 @@ def test_decoded_planes_view_a_run_where_the_decoder_wrote_it():
         assert torch.equal(cb[i], base[start + 8: start + 10].view(1, 2))
         assert torch.equal(cr[i], base[start + 10: start + 12].view(1, 2))
     assert plane_bytes(info) == 12 and plane_bytes(JpegInfo(5, 3, 1, 6, (5,), (3,))) == 15
+    assert plane_offsets(info) == (0, 8, 10) and plane_offsets(JpegInfo(5, 3, 1, 6, (5,), (3,))) == (0,)
+
+
+def test_decoded_planes_refuse_what_would_read_other_bytes():
+    """stacked() raises rather than view bytes that are not the run's: images of another kind in the run,
+    a run past the end of the buffer (though inside its storage), a buffer that is not flat."""
+    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))  # 12 bytes per image
+    gray = JpegInfo(4, 2, 1, 6, (4,), (2,))
+    base = torch.arange(64, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="other planes"):
+        DecodedPlanes(base, (0, 12), (info, gray)).stacked(range(2))
+    with pytest.raises(RuntimeError, match="do not lie in"):
+        DecodedPlanes(base[:24], (0, 12, 24), (info,) * 3).stacked(range(3))  # the third past the view's end
+    with pytest.raises(RuntimeError, match="do not lie in"):
+        DecodedPlanes(base[::2], (0, 12), (info,) * 2).stacked(range(2))  # every other byte: not flat
+    assert [v.shape for v in DecodedPlanes(base[:24], (0, 12), (info,) * 2).stacked(range(2))] == [
+        (2, 2, 4), (2, 1, 2), (2, 1, 2)]
 
 
 class _Event:

@@ -435,27 +435,47 @@ def test_a_decoded_images_dropped_check_sends_it_to_pillow_under_its_own_reason(
 def test_the_thread_count_comes_from_the_affinity_or_kimi_scan_check_threads(monkeypatch):
     """A deployment may set the scan check's threads (KIMI_SCAN_CHECK_THREADS, 1-16); unset, every core the
     process may run on, up to 16; anything else stops with an error naming the setting."""
+    from backends.preprocess.host_threads import available_cores
+
     monkeypatch.delenv("KIMI_SCAN_CHECK_THREADS", raising=False)
-    assert scan_check._threads() == max(1, min(16, len(os.sched_getaffinity(0))))
+    monkeypatch.setattr(scan_check, "available_cores", lambda: 40)  # a host with more cores than 16
+    assert scan_check._threads() == 16
+    monkeypatch.setattr(scan_check, "available_cores", lambda: 3)  # e.g. a container given three
+    assert scan_check._threads() == 3
+    if hasattr(os, "sched_getaffinity"):
+        assert available_cores() == len(os.sched_getaffinity(0))
     for value, want in (("3", 3), (" 16 ", 16), ("1", 1)):
         monkeypatch.setenv("KIMI_SCAN_CHECK_THREADS", value)
         assert scan_check._threads() == want
-    for value in ("0", "17", "four", "-2", "2.5"):
+    for value in ("0", "17", "four", "-2", "2.5", "\u00b2"):  # the last: a superscript two, a "digit" to str.isdigit
         monkeypatch.setenv("KIMI_SCAN_CHECK_THREADS", value)
         with pytest.raises(ValueError, match="KIMI_SCAN_CHECK_THREADS"):
             scan_check._threads()
 
 
-def test_one_check_after_a_wide_batch_still_gets_its_verdict():
+def _answered_unasked(checks: scan_check.Checks, n: int) -> bool:
+    """Whether the pool's threads answer all n checks without a verdict being asked for (verdict() would
+    run a queued check on the asking thread, which a missed wake-up would not stop)."""
+    import time
+
+    deadline = time.monotonic() + 60  # a guard against a hang: a missed wake-up leaves checks queued
+    while not all(checks.done(k) for k in range(n)) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return all(checks.done(k) for k in range(n))
+
+
+def test_queued_checks_wake_the_pools_threads_one_per_job():
     """Queued checks wake one idle worker each (not a broadcast): after a batch that grew the pool to many
-    workers, single checks and a batch larger than the pool still all answer, each as check() does."""
+    workers, single checks, a batch larger than the pool, and large scans split into tracks are all
+    answered by the pool's threads without being asked for, each as check() answers it."""
     blobs = [encode(photo_like(96 + 8 * k, 64, seed=k), "JPEG", quality=90) for k in range(20)]
     wide = scan_check.Checks(blobs, threads=16)
+    assert _answered_unasked(wide, len(blobs))
     assert [wide.verdict(i) for i in range(len(blobs))] == [None] * len(blobs)
     wide.close()
     for blob in blobs[:5]:
         one = scan_check.Checks([blob], threads=16)
-        assert one.verdict(0) is None
+        assert _answered_unasked(one, 1) and one.verdict(0) is None
         one.close()
     large = encode(photo_like(1024, 768, seed=9), "JPEG", quality=95)  # a scan split into tracks
     assert len(large) >= 4 * 16 * 1024
@@ -464,6 +484,7 @@ def test_one_check_after_a_wide_batch_still_gets_its_verdict():
     assert any(w is not None for w in want)  # some of the damage is refused
     walks = scan_check.parallel_counts()[0]
     mixed = scan_check.Checks(files, threads=4)
+    assert _answered_unasked(mixed, len(files))
     assert [mixed.verdict(i) for i in range(len(want))] == want
     mixed.close()
-    assert scan_check.parallel_counts()[0] >= walks + 2  # both large scans were checked on several threads
+    assert scan_check.parallel_counts()[0] >= walks + 2  # both large scans went the threaded way (tracks queued)
