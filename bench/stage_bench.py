@@ -55,7 +55,7 @@ from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
 from clients.kimi_client import CudaOutputRegion, ImagesRegion, KimiVisionClient
-from clients.tracing import Tracer, batch_stretches, batches, off_path, spans
+from clients.tracing import Tracer, batch_stretches, batches, off_path, spans, steady_rate
 from clients.tracing import clear as clear_traces
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
@@ -179,6 +179,7 @@ def traced_concurrent(make_send, tracer: Tracer, n: int, concurrency: int) -> di
         return statistics.median(values) if values else float("nan")
 
     return {"requests": len(traced), "concurrency": concurrency, "requests_per_s": n / wall,
+            "steady_requests_per_s": steady_rate(found),
             "batches": len(found), "batch_sizes": [b.size for b in found],
             "median": {k: med(k) for k in ("size", "inputs", "stub", "responses", "gap")},
             "encoder_busy": sum(b.end - b.start for b in found) / 1e9 / span if span else float("nan")}
@@ -262,12 +263,17 @@ def batch_table(results: dict) -> list[str]:
              "in ms per execution of its inputs to the stub, the stub until its answer, the answer until the execution "
              "ends (the responses; their output copies wait for the kernels), and the gap to the next execution; "
              "`executing`: the share of the run from the first execution's start to the last one's end that "
-             "moonvit3d was executing. images/s beside the encoder alone's (1000 / its ms x images per request).", "",
-             "| case | requests | images/s | encoder alone images/s | executions | batch size | inputs | stub | responses | gap | executing |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "moonvit3d was executing. images/s beside the encoder alone's (1000 / its ms x images per request); "
+             "`steady`: images/s of the executions between the first and the last (clients/tracing.steady_rate), "
+             "without the run's start and end.", "",
+             "| case | requests | images/s | steady images/s | encoder alone images/s | executions | batch size | inputs | stub | responses | gap | executing |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, r in rows.items():
         b, m = r["batches"], r["batches"]["median"]
-        lines.append(f"| {case} | {b['requests']} | {b['requests_per_s'] * r['images']:.1f} | {1000 / r['encoder_ms'] * r['images']:.1f} | "
+        steady = b.get("steady_requests_per_s")
+        steady_cell = f"{steady * r['images']:.1f}" if steady else "-"
+        lines.append(f"| {case} | {b['requests']} | {b['requests_per_s'] * r['images']:.1f} | {steady_cell} | "
+                     f"{1000 / r['encoder_ms'] * r['images']:.1f} | "
                      f"{b['batches']} | {m['size']:.0f} | {m['inputs']:.2f} | {m['stub']:.2f} | {m['responses']:.2f} | "
                      f"{m['gap']:.2f} | {b['encoder_busy']:.3f} |")
     return lines
@@ -279,7 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--trace-requests", type=int, default=10, help="requests per case traced by the server (0: none)")
-    ap.add_argument("--batch-trace-requests", type=int, default=48,
+    ap.add_argument("--batch-trace-requests", type=int, default=96,
                     help="requests per case sent at --batch-trace-concurrency and traced, for moonvit3d's batches (0: none)")
     ap.add_argument("--batch-trace-concurrency", type=int, default=16)
     ap.add_argument("--batch-trace-cases", default="1x1024^2,8x448^2", help="the cases of the batch trace (the issue's c=16 cases)")

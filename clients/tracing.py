@@ -183,6 +183,18 @@ def batch_stretches(found: list[Batch]) -> list[dict[str, float]]:
     return rows
 
 
+def steady_rate(found: list[Batch]) -> float | None:
+    """Requests per second that the executions served once the run was under way: those from the second
+    execution's start to the last one's start (the first waits for the first request's preprocessing,
+    the last for the stragglers), over that time. None with fewer than three executions. A rate over
+    the whole run counts its start and its end too, which a short run cannot amortize."""
+    if len(found) < 3:
+        return None
+    ordered = sorted(found, key=lambda b: b.start)
+    span = (ordered[-1].start - ordered[1].start) / 1e9
+    return sum(b.size for b in ordered[1:-1]) / span if span > 0 else None
+
+
 def clear(trace_file: Path) -> None:
     """Remove what an earlier server wrote to `trace_file` (the file and its `<file>.<n>`), before a
     server that will write there starts: its traces then stand alone in the folder."""

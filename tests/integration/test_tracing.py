@@ -115,8 +115,10 @@ def test_concurrent_requests_traced_show_the_encoders_batches(server, clients):
     assert max(result["batch_sizes"]) > 1, result  # a batch was formed
     assert result["batches"] == len(result["batch_sizes"]) < 8
     assert result["median"]["gap"] >= 0 and 0 < result["encoder_busy"] <= 1
+    steady = result["steady_requests_per_s"]
+    assert (steady is None) == (result["batches"] < 3) and (steady is None or steady > 0), result
     table = "\n".join(batch_table({"case": {"batches": result, "images": 2, "encoder_ms": 10.0}}))
-    assert "| case | 8 |" in table
+    assert "| case | 8 |" in table and "| steady images/s |" in table
 
 
 def test_reading_traces_that_never_come_names_the_shortfall(server, clients):

@@ -4,7 +4,7 @@ stretches along the steps that run one after another, and what is refused."""
 import pytest
 
 from backends.deploy.launcher import Ports, TritonInstall, build_parser, tritonserver_command
-from clients.tracing import TraceError, Tracer, batch_stretches, batches, off_path, parse, requests, spans
+from clients.tracing import Batch, TraceError, Tracer, batch_stretches, batches, off_path, parse, requests, spans, steady_rate
 
 
 def _records(root: int, t0: int, protocol: str = "GRPC") -> list[dict]:
@@ -123,3 +123,16 @@ def test_requests_that_share_an_execution_are_one_batch():
     assert rows[0] == {"size": 2, "inputs": pytest.approx(0.02), "stub": pytest.approx(1.87),
                        "responses": pytest.approx(0.1), "gap": pytest.approx(0.2)}
     assert rows[1]["gap"] is None and rows[1]["size"] == 1
+
+
+def test_the_steady_rate_leaves_out_the_first_and_the_last_execution():
+    """Executions of 1, 8, 8, 8 and 3 requests starting 0, 10, 110, 210 and 310 ms: between the second
+    start and the last, 24 requests in 300 ms (80 per second); the first (a lone request before the
+    others arrived) and the last (the stragglers) do not count. Fewer than three executions: no rate."""
+    ms = 1_000_000
+    found = [Batch(size, start * ms, start * ms + 1, start * ms + 2, start * ms + 90 * ms)
+             for size, start in ((1, 0), (8, 10), (8, 110), (8, 210), (3, 310))]
+    assert steady_rate(found) == pytest.approx(80.0)
+    assert steady_rate(list(reversed(found))) == pytest.approx(80.0)  # the order they were found in
+    assert steady_rate(found[:2]) is None and steady_rate([]) is None
+    assert steady_rate([found[0], found[1], Batch(8, 10 * ms, 0, 0, 0)]) is None  # no time between starts
