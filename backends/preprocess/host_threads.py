@@ -5,17 +5,66 @@ check is short enough for that wait to matter."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 
-def available_cores() -> int:
-    """The cores this process may run on: its CPU affinity (a container or taskset may give it fewer
-    than the host has), else the host's count."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
+def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """The cores this process may use: its CPU affinity (a container or taskset may give it fewer than
+    the host has), else the host's count, and no more than its cgroup's CPU quota allows, rounded up (a
+    Kubernetes CPU limit sets a quota, not an affinity: more busy threads than the quota stall the whole
+    container until the next period)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs' worth of time per period that this process's cgroup, or any cgroup above it, may use (the
+    smallest); None where none is set or nothing can be read. cgroup v2 (`cpu.max`: "<quota> <period>"
+    or "max <period>") or v1 (`cpu.cfs_quota_us`, -1 for none, and `cpu.cfs_period_us`). In a container
+    with its own cgroup namespace the process's path is "/" and the files lie at the mount's top."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2
+            folders = [root]
+        elif "cpu" in controllers.split(","):  # v1
+            folders = [root / name for name in (controllers, "cpu", "cpu,cpuacct") if (root / name).is_dir()][:1]
+        else:
+            continue
+        for top in folders:
+            here = top / path.lstrip("/")
+            while True:  # this cgroup and every one above it, up to the mount's top
+                found.append(_quota_in(here, v2=controllers == ""))
+                if here == top or top not in here.parents:
+                    break
+                here = here.parent
+    limits = [q for q in found if q is not None]
+    return min(limits) if limits else None
+
+
+def _quota_in(folder: Path, v2: bool) -> float | None:
+    try:
+        if v2:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        return None if quota < 0 else quota / int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 THREADS = min(8, available_cores())

@@ -36,7 +36,8 @@ SOURCE = Path(__file__).with_name("scan_check.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # THREADS: threads one large scan is checked on (scan_check.c gives each at least 16 KB of scan), and
 # the threads a batch of checks runs on; the C library's pool of threads is started on first use and
-# kept. Every core this process may run on, up to 16: unlike Pillow's decode threads (host_threads)
+# kept. Every core this process may run on (host_threads.available_cores: its affinity and its cgroup's
+# CPU quota), up to 16: unlike Pillow's decode threads (host_threads)
 # these never take the GIL, and a check is the longest part of preprocessing a large JPEG, or of eight
 # small ones. KIMI_SCAN_CHECK_THREADS (1-16) sets it, e.g. for a host shared with other services.
 MAX_THREADS = 16  # scan_check.c's MAX_THREADS
