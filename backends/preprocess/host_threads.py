@@ -15,8 +15,8 @@ from pathlib import Path
 def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """The cores this process may use: its CPU affinity (a container or taskset may give it fewer than
     the host has), else the host's count, and no more than its cgroup's CPU quota allows, rounded up (a
-    Kubernetes CPU limit sets a quota, not an affinity: more busy threads than the quota stall the whole
-    container until the next period)."""
+    Kubernetes CPU limit sets a quota, not an affinity: busy threads beyond it use the period's quota up
+    sooner, and then every thread of the container waits for the next period)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
     if quota is not None:
