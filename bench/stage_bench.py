@@ -23,7 +23,8 @@ our code's own host time in each stub over the same requests (sent the lean way,
 registered region), and that time by phase (the server runs with KIMI_PHASES=1, backends/phases.py).
 Then, for the issue's concurrency-16 cases, --batch-trace-requests sent --batch-trace-concurrency at a
 time, all traced: moonvit3d's executions (batches), what each spends on inputs, in its stub, on the
-responses, and the gap to the next, beside images/s and the encoder alone's images/s.
+responses, and the gap to the next, beside images/s (over the whole pass, and the steady rate of the
+executions between the first and the last: clients.tracing.steady_rate) and the encoder alone's.
 --profile also writes the stubs' torch-profiler tables (backends/serving/profiling.py) under
 --out/profile, from extra requests of the first case sent after the measured ones.
 """
@@ -271,7 +272,7 @@ def batch_table(results: dict) -> list[str]:
     for case, r in rows.items():
         b, m = r["batches"], r["batches"]["median"]
         steady = b.get("steady_requests_per_s")
-        steady_cell = f"{steady * r['images']:.1f}" if steady else "-"
+        steady_cell = f"{steady * r['images']:.1f}" if steady is not None else "-"
         lines.append(f"| {case} | {b['requests']} | {b['requests_per_s'] * r['images']:.1f} | {steady_cell} | "
                      f"{1000 / r['encoder_ms'] * r['images']:.1f} | "
                      f"{b['batches']} | {m['size']:.0f} | {m['inputs']:.2f} | {m['stub']:.2f} | {m['responses']:.2f} | "

@@ -184,10 +184,13 @@ def batch_stretches(found: list[Batch]) -> list[dict[str, float]]:
 
 
 def steady_rate(found: list[Batch]) -> float | None:
-    """Requests per second that the executions served once the run was under way: those from the second
-    execution's start to the last one's start (the first waits for the first request's preprocessing,
-    the last for the stragglers), over that time. None with fewer than three executions. A rate over
-    the whole run counts its start and its end too, which a short run cannot amortize."""
+    """Requests per second that the executions between the first and the last served: their requests
+    over the time from the second execution's start to the last one's (each counted execution with the
+    gap after it). The first waits for the first request's preprocessing, the last for the stragglers;
+    a rate over the whole run counts that start and end too, which a short run cannot amortize. An
+    approximation of the steady rate, slightly low: the wind-down at the end of a run can reach back
+    more than one execution. With several instances of the model, only one instance's start and end
+    are left out. None with fewer than three executions."""
     if len(found) < 3:
         return None
     ordered = sorted(found, key=lambda b: b.start)

@@ -116,9 +116,10 @@ def test_concurrent_requests_traced_show_the_encoders_batches(server, clients):
     assert result["batches"] == len(result["batch_sizes"]) < 8
     assert result["median"]["gap"] >= 0 and 0 < result["encoder_busy"] <= 1
     steady = result["steady_requests_per_s"]
-    assert (steady is None) == (result["batches"] < 3) and (steady is None or steady > 0), result
+    assert steady is None or steady > 0, result
     table = "\n".join(batch_table({"case": {"batches": result, "images": 2, "encoder_ms": 10.0}}))
-    assert "| case | 8 |" in table and "| steady images/s |" in table
+    steady_cell = "-" if steady is None else f"{steady * 2:.1f}"
+    assert f"| case | 8 | {result['requests_per_s'] * 2:.1f} | {steady_cell} | 200.0 |" in table, table
 
 
 def test_reading_traces_that_never_come_names_the_shortfall(server, clients):

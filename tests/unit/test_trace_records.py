@@ -130,9 +130,24 @@ def test_the_steady_rate_leaves_out_the_first_and_the_last_execution():
     start and the last, 24 requests in 300 ms (80 per second); the first (a lone request before the
     others arrived) and the last (the stragglers) do not count. Fewer than three executions: no rate."""
     ms = 1_000_000
-    found = [Batch(size, start * ms, start * ms + 1, start * ms + 2, start * ms + 90 * ms)
-             for size, start in ((1, 0), (8, 10), (8, 110), (8, 210), (3, 310))]
+    found = [Batch(size, start * ms, start * ms + 1, start * ms + 2, start * ms + 8 * ms)
+             for size, start in ((1, 0), (8, 10), (8, 110), (8, 210), (3, 310))]  # each ends before the next
     assert steady_rate(found) == pytest.approx(80.0)
     assert steady_rate(list(reversed(found))) == pytest.approx(80.0)  # the order they were found in
     assert steady_rate(found[:2]) is None and steady_rate([]) is None
     assert steady_rate([found[0], found[1], Batch(8, 10 * ms, 0, 0, 0)]) is None  # no time between starts
+
+
+def test_the_batch_table_shows_the_steady_rate_or_a_dash():
+    """stage_bench's table of the encoder's executions: the steady rate as images/s, "-" where the pass
+    found too few executions (or an older result has none)."""
+    from bench.stage_bench import batch_table
+
+    base = {"requests": 48, "concurrency": 16, "requests_per_s": 40.0, "batches": 7, "batch_sizes": [8] * 6,
+            "median": {"size": 8, "inputs": 0.3, "stub": 16.5, "responses": 156.0, "gap": 0.7}, "encoder_busy": 0.997}
+    with_rate = "\n".join(batch_table({"8x448^2": {"batches": {**base, "steady_requests_per_s": 46.0},
+                                                    "images": 8, "encoder_ms": 21.5}}))
+    assert "| 8x448^2 | 48 | 320.0 | 368.0 | 372.1 | 7 | 8 |" in with_rate, with_rate
+    for batches in ({**base, "steady_requests_per_s": None}, base):
+        table = "\n".join(batch_table({"8x448^2": {"batches": batches, "images": 8, "encoder_ms": 21.5}}))
+        assert "| 8x448^2 | 48 | 320.0 | - | 372.1 | 7 | 8 |" in table, table
