@@ -56,7 +56,7 @@ from backends.weights.load import load_model
 from bench.e2e_bench import case_requests
 from bench.gpu_timing import machine_line, timed, write_report
 from clients.kimi_client import CudaOutputRegion, ImagesRegion, KimiVisionClient
-from clients.tracing import Tracer, batch_stretches, batches, off_path, spans, steady_rate
+from clients.tracing import Tracer, batch_stretches, batches, off_path, spans, steady_rate, stub_label
 from clients.tracing import clear as clear_traces
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
@@ -238,8 +238,8 @@ def trace_table(results: dict, n: int) -> list[str]:
              "| stretch | " + " | ".join(cases) + " |", "|---|" + "---|" * len(cases)]
     for label in labels:
         lines.append(f"| {label} | " + " | ".join(f"{traced[c]['stretches'].get(label, float('nan')):.3f}" for c in cases) + " |")
-        model = label.partition(":")[0]
-        if label.endswith("until its answer is back") and model in PATH:
+        model = next((m for m in PATH if label == stub_label(m)), None)
+        if model is not None:
             lines.append(f"| {model}'s our code, mean / this stretch's mean | "
                          + " | ".join(f"{traced[c]['our_code_ms'][model]:.3f} / {traced[c]['stretch_means'][label]:.3f}" for c in cases) + " |")
             found = {k.partition("|")[2] for c in cases for k in traced[c].get("phases_ms", {}) if k.startswith(model + "|")}
@@ -323,13 +323,12 @@ def main(argv=None) -> int:
         stats_client = grpcclient.InferenceServerClient(server.grpc_url)
         held.callback(stats_client.close)
         region = held.enter_context(CudaOutputRegion(client, max(n for *_, n in requests.values())))
-        inputs = held.enter_context(
-            ImagesRegion(client, max(sum(map(len, blobs)) + 4 * len(blobs) for _, blobs, _ in requests.values())))
+        inputs = held.enter_context(ImagesRegion(client))  # grown, where a case needs it, in that case's warm-up
         tracer = Tracer(stats_client, server.trace_file)
         ways = {"body": {}, "region": {"images_region": inputs}}
         for case, (ids, blobs, capacity) in requests.items():
-            for _ in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
-                client.infer_into(region, ids, blobs)
+            for k in range(3):  # warm-up: first-call compilation, the graph capture on a second sighting
+                client.infer_into(region, ids, blobs, **ways["region" if k == 0 else "body"])  # both ways warm
             time.sleep(1.0)  # tritonserver records a request's statistics as it releases it, after the reply
             before = model_table(stats_client, server.metrics_url)
             # Side by side: the images in the request body and in the registered region, alternately, each

@@ -132,10 +132,16 @@ def _label(a: str, b: str) -> str:
     if what == "inputs":
         return f"{model}: inputs to its stub"
     if what == "answer":
-        return f"{model}: in its stub, until its answer is back"
+        return stub_label(model)
     if b == "response":
         return f"{before}'s answer -> the ensemble's response complete"
     return f"{a} -> {b}"
+
+
+def stub_label(model: str) -> str:
+    """The name spans() gives `model`'s stretch in its stub (a report that sets other rows beside it
+    finds it by this, not by the wording)."""
+    return f"{model}: in its stub, until its answer is back"
 
 
 def off_path(req: RequestTrace, path: list[str]) -> dict[str, float]:
@@ -202,9 +208,14 @@ def clear(trace_file: Path) -> None:
     """Remove what an earlier server wrote to `trace_file` (the file and its `<file>.<n>`), before a
     server that will write there starts: its traces then stand alone in the folder."""
     trace_file = Path(trace_file)
-    for old in trace_file.parent.glob(trace_file.name + "*"):
-        if old == trace_file or old.suffix[1:].isdigit():
-            old.unlink()
+    for old in [trace_file, *numbered(trace_file)]:
+        old.unlink(missing_ok=True)
+
+
+def numbered(trace_file: Path) -> list[Path]:
+    """The files a server writes for `trace_file`, one per traced request: `<file>.<n>`."""
+    trace_file = Path(trace_file)
+    return [p for p in trace_file.parent.glob(trace_file.name + ".*") if p.suffix[1:].isdigit()]
 
 
 class Tracer:
@@ -224,13 +235,12 @@ class Tracer:
         numbers its files from 0 again and writes over the old ones, so a name alone does not tell a
         new trace from an old one."""
         out = {}
-        for p in self.file.parent.glob(self.file.name + ".*"):
-            if p.suffix[1:].isdigit():
-                try:
-                    st = p.stat()
-                except FileNotFoundError:
-                    continue
-                out[p] = (st.st_mtime_ns, st.st_size)
+        for p in numbered(self.file):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            out[p] = (st.st_mtime_ns, st.st_size)
         return out
 
     def _new(self) -> list[Path]:

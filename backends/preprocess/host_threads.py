@@ -77,7 +77,8 @@ def _quota_in(folder: Path, v2: bool) -> float | None:
         return None
 
 
-THREADS = min(8, available_cores())
+CORES = available_cores()  # read once per process: the scan check's threads follow it too
+THREADS = min(8, CORES)
 
 _LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from backends.folders import own_private_folder
-from backends.preprocess.host_threads import available_cores
+from backends.preprocess import host_threads
 
 SOURCE = Path(__file__).with_name("scan_check.c")
 # -ffp-contract=off: the float bounds round the same wherever they are inlined (the one-thread check and
@@ -36,17 +36,17 @@ SOURCE = Path(__file__).with_name("scan_check.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # THREADS: threads one large scan is checked on (scan_check.c gives each at least 16 KB of scan), and
 # the threads a batch of checks runs on; the C library's pool of threads is started on first use and
-# kept. Every core this process may run on (host_threads.available_cores: its affinity and its cgroup's
-# CPU quota), up to 16: unlike Pillow's decode threads (host_threads)
-# these never take the GIL, and a check is the longest part of preprocessing a large JPEG, or of eight
-# small ones. KIMI_SCAN_CHECK_THREADS (1-16) sets it, e.g. for a host shared with other services.
+# kept. Every core this process may run on (host_threads.CORES: its affinity and its cgroup's CPU
+# quota), up to 16: unlike Pillow's decode threads (host_threads) these never take the GIL, and a check
+# is the longest part of preprocessing a large JPEG, or of eight small ones. KIMI_SCAN_CHECK_THREADS
+# (1-16) sets it, e.g. for a host shared with other services.
 MAX_THREADS = 16  # scan_check.c's MAX_THREADS
 
 
 def _threads() -> int:
     value = os.environ.get("KIMI_SCAN_CHECK_THREADS", "").strip()
     if not value:
-        return min(MAX_THREADS, available_cores())
+        return min(MAX_THREADS, host_threads.CORES)
     if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_THREADS:
         raise ValueError(f"KIMI_SCAN_CHECK_THREADS={value!r}: expected a whole number from 1 to {MAX_THREADS}")
     return int(value)

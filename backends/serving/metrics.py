@@ -58,6 +58,11 @@ def failure_kind(exc: Exception) -> str:
     return "cancelled" if isinstance(exc, RequestCancelled) else "internal"
 
 
+def _key(family: str, labels: dict) -> tuple:
+    """A local sum's key: the metric family and its labels in a fixed order."""
+    return family, tuple(sorted(labels.items()))
+
+
 class ModelMetrics:
     """One model instance's metrics, sent to the server off the request path.
 
@@ -118,7 +123,7 @@ class ModelMetrics:
     def _add(self, family: str, value: float, **labels) -> None:
         if value:
             with self._lock:
-                self._sums[(family, tuple(sorted(labels.items())))] += value
+                self._sums[_key(family, labels)] += value
             self._started()
 
     def failure(self, exc: Exception) -> None:
@@ -141,7 +146,7 @@ class ModelMetrics:
         with self._lock:
             for phase, value in seconds.items():
                 if value:
-                    self._sums[("kimi_vision_phase_seconds_total", (("phase", phase),))] += value
+                    self._sums[_key("kimi_vision_phase_seconds_total", {"phase": phase})] += value
         self._started()
 
     def step_time(self, seconds: float) -> None:

@@ -23,8 +23,10 @@ def on(monkeypatch):
 
 def test_off_it_records_nothing(monkeypatch):
     monkeypatch.setattr(phases, "ENABLED", False)  # the default, unless KIMI_PHASES says otherwise
+    monkeypatch.setattr(phases._local, "clock", None, raising=False)  # whatever an earlier test left open
     phases.begin()
     phases.mark("a")
+    assert getattr(phases._local, "clock", None) is None  # no clock was opened, nothing was charged
     assert phases.end() == {}
 
 

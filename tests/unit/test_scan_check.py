@@ -435,15 +435,15 @@ def test_a_decoded_images_dropped_check_sends_it_to_pillow_under_its_own_reason(
 def test_the_thread_count_comes_from_the_affinity_or_kimi_scan_check_threads(monkeypatch):
     """A deployment may set the scan check's threads (KIMI_SCAN_CHECK_THREADS, 1-16); unset, every core the
     process may run on, up to 16; anything else stops with an error naming the setting."""
-    from backends.preprocess.host_threads import available_cores
+    from backends.preprocess import host_threads
 
     monkeypatch.delenv("KIMI_SCAN_CHECK_THREADS", raising=False)
-    monkeypatch.setattr(scan_check, "available_cores", lambda: 40)  # a host with more cores than 16
+    monkeypatch.setattr(host_threads, "CORES", 40)  # a host with more cores than 16
     assert scan_check._threads() == 16
-    monkeypatch.setattr(scan_check, "available_cores", lambda: 3)  # e.g. a container given three
+    monkeypatch.setattr(host_threads, "CORES", 3)  # e.g. a container given three
     assert scan_check._threads() == 3
-    if hasattr(os, "sched_getaffinity"):
-        assert available_cores() == len(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity"):  # within the affinity (and the cgroup's quota, where one is set)
+        assert 1 <= host_threads.available_cores() <= len(os.sched_getaffinity(0))
     for value, want in (("3", 3), (" 16 ", 16), ("1", 1)):
         monkeypatch.setenv("KIMI_SCAN_CHECK_THREADS", value)
         assert scan_check._threads() == want
@@ -465,9 +465,11 @@ def _answered_unasked(checks: scan_check.Checks, n: int) -> bool:
 
 
 def test_queued_checks_wake_the_pools_threads_one_per_job():
-    """Queued checks wake one idle worker each (not a broadcast): after a batch that grew the pool to many
-    workers, single checks, a batch larger than the pool, and large scans split into tracks are all
-    answered by the pool's threads without being asked for, each as check() answers it."""
+    """Queued checks wake idle workers one signal per job (scan_check.c's wake_workers, not a broadcast):
+    no job may be left without a thread. After a batch that grew the pool to many workers, single checks,
+    a batch larger than the pool, and large scans split into tracks are all answered by the pool's
+    threads without being asked for, each as check() answers it. (A missed wake-up fails this; a
+    broadcast would pass it too.)"""
     blobs = [encode(photo_like(96 + 8 * k, 64, seed=k), "JPEG", quality=90) for k in range(20)]
     wide = scan_check.Checks(blobs, threads=16)
     assert _answered_unasked(wide, len(blobs))
