@@ -264,21 +264,24 @@ class EncoderModel(_Adapter):
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
+        t0 = time.perf_counter()
+        # The batch taken apart, once per batch: reading the requests (is_cancelled() is an IPC round trip
+        # to the server per request), the forward, the responses.
+        phases.begin()
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:
             try:
-                if request.is_cancelled():  # dropped from the batch: nobody waits for its embeddings
+                cancelled = request.is_cancelled()
+                phases.mark("cancel check")
+                if cancelled:  # dropped from the batch: nobody waits for its embeddings
                     raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
                 parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-        t0 = time.perf_counter()
-        phases.begin()  # the batch's forward taken apart, once per batch: the step time's span
+            phases.mark("read inputs")
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
         phases.mark("step")  # what the encoder step's own marks left: checks, the split, cache bookkeeping
-        elapsed = time.perf_counter() - t0
-        self.metrics.phases(phases.end())
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
@@ -289,5 +292,9 @@ class EncoderModel(_Adapter):
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(IMAGE_EMBEDS, outputs[IMAGE_EMBEDS])]))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
-            self.metrics.step_time(elapsed)  # every request of the batch waited for the whole forward
+        phases.mark("output tensors")
+        elapsed = time.perf_counter() - t0
+        self.metrics.phases(phases.end())
+        for _ in requests:
+            self.metrics.step_time(elapsed)  # every request of the batch waited for the whole batch
         return responses
