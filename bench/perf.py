@@ -170,7 +170,8 @@ def main(argv=None) -> int:
                          "inputs and outputs both go through it, each output region sized from the request")
     ap.add_argument("--encoder-instances", type=int, default=1,
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
-    ap.add_argument("--preprocess-instances", type=int, default=0, help="own server: per GPU; 0 = the default")
+    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
+                    help="own server: per GPU; 0 = the default (KIMI_PREPROCESS_INSTANCES, as the launcher reads it)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
@@ -288,6 +289,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"{platform.node()} {platform.machine()} {os.cpu_count()} CPUs, device={device}, "
              f"checkpoint={args.checkpoint or 'embedded demo'}, images={args.images} ({len(images)} per request), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
+             + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
+                                  f"kimi_preprocess {dep.preprocess_instances}")
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),
