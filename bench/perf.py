@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
-from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, PLACEHOLDER
+from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, FUSED, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
 from backends.placeholder.expand import expand_placeholders
 from backends.preprocess.decode import open_image
@@ -42,7 +42,8 @@ from backends.preprocess.media import plan_media
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
 
-ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE}
+# What --ensembles names: the two ensembles, and the one-model route of the same contract (rendered when asked for).
+ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE, "fused": FUSED}
 SHM_MODES = ("none", "system", "cuda")
 
 
@@ -162,8 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--measurement-ms", type=int, default=4000)
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer --stability-percentage")
     ap.add_argument("--ensembles", default="plain",
-                    help="comma-separated: plain (kimi_k25_vision) and/or batched (kimi_k25_vision_batched, "
-                         "requests of batch 1 that the server batches across clients); one server, one run")
+                    help="comma-separated: plain (kimi_k25_vision), batched (kimi_k25_vision_batched, "
+                         "requests of batch 1 that the server batches across clients) and/or fused "
+                         "(kimi_k25_vision_fused, the three steps in one model instance); one server, one run")
     ap.add_argument("--shared-memory", default="none",
                     help="comma-separated perf_analyzer --shared-memory modes to measure side by side: none "
                          "(gRPC), system (POSIX shm, same host) and/or cuda (CUDA shm, needs a GPU here); "
@@ -224,7 +226,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     if served:
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances)
+                     preprocess_instances=args.preprocess_instances, fused="fused" in ensembles)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -243,7 +245,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         # (kernel compilation for this image size, the encoder's CUDA graph capture on the second
         # sighting of a grid list, lazy imports in the stubs).
         for name in ensembles:
-            client = KimiVisionClient(server.grpc_url, batched=name == "batched")
+            client = KimiVisionClient(server.grpc_url, model=ENSEMBLES[name], batched=name == "batched")
             for _ in range(3):
                 client.infer(chat_prompt_ids(len(images)), images)
             client.close()

@@ -8,7 +8,7 @@
 #   stages also: decode (exact GPU JPEG decode vs Pillow), stages (stage breakdown + stub profiles),
 #   (STAGE_ARGS adds arguments to stages' stage_bench, e.g. "--profile-case 8x448^2"),
 #   soak (10000 mixed requests at concurrency 16), profile (encoder kernel table), servertests (tests/gpu/test_gpu_server.py only; PYTEST_K selects),
-#   perf2enc (1024^2 at c=16 with two encoder instances), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
+#   perf2enc (1024^2 at c=16 with two encoder instances), fusedperf (plain ensemble against kimi_k25_vision_fused), stubprobe (tensors through a one-model server, stub on numpy<2 vs the host's numpy),
 #   fa4a / fa4b (flash-attn-4 in two carries), attnprobe (which SDPA kernel runs, here and in the stub's env),
 #   preprobe (preprocessing call by call, and after idle gaps: tools/preprocess_probe.py),
 #   scanprobe (the JPEG scan check per thread count, its phases, and threaded against one-thread verdicts),
@@ -110,6 +110,17 @@ for stage in "$@"; do
       python3 -m bench.preprocess_bench --out "$out" 2>&1 | tail -40 ;;
     e2e) e2e ;;
     perfanalyzer) perfanalyzer ;;
+    fusedperf)  # the plain ensemble against kimi_k25_vision_fused, side by side in one server (FUSED_IMAGES,
+      # default "8x448 1024"; FUSED_CONCURRENCY, default 1)
+      perf_setup; random_checkpoint
+      for images in ${FUSED_IMAGES:-8x448 1024}; do
+        rm -rf "$out/perf-fused-$images"  # a warm machine's earlier summary must not pass for this run's
+        timeout -s INT -k 60 240 "${PERF[@]}" --images $images --concurrency ${FUSED_CONCURRENCY:-1} \
+          --ensembles plain,fused --out "$out/perf-fused-$images" > "$out/perf_gpu_fused_$images.log" 2>&1
+        cat "$out/perf-fused-$images/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_fused_$images.log"
+        save
+      done
+      cat "$out/perf_gpu.md" ;;
     perf2enc)  # one 1024^2 JPEG per request at concurrency 16 with two moonvit3d instances on the GPU
       perf_setup; random_checkpoint
       rm -rf "$out/perf-1024-2enc"  # a warm machine's earlier summary must not pass for this run's

@@ -18,7 +18,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, FUSED, GRID_THWS, IMAGE_EMBEDS,
                       IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PLACEHOLDER_BATCHED,
                       PREPROCESS, PREPROCESS_BATCHED)
 
@@ -30,6 +30,9 @@ SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
 # kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension. moonvit3d serves
 # both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
 MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE, PLACEHOLDER_BATCHED, PREPROCESS_BATCHED, BATCHED_ENSEMBLE)
+# Rendered only when the deployment asks for them (Deployment.fused); the committed rendering has them,
+# so that the source repository holds every model's config beside its model.py.
+OPTIONAL_MODELS = (FUSED,)
 # A twin runs its base model's code: `write_source_configs` copies the base's version folder.
 SOURCE_OF = {PLACEHOLDER_BATCHED: PLACEHOLDER, PREPROCESS_BATCHED: PREPROCESS, BATCHED_ENSEMBLE: ENSEMBLE}
 
@@ -49,6 +52,9 @@ class Deployment:
     batch_delay_us: int = 0
     max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
+    # Also serve kimi_k25_vision_fused: the ensemble's contract from one model whose instances
+    # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.
+    fused: bool = False
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -117,7 +123,8 @@ class Deployment:
         if self.device == "gpu":
             return 0
         pixels, embeds = self._largest_tensors_bytes(4)  # FP32
-        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds)
+        fused = self.encoder_instances * embeds if self.fused else 0  # its answers; its pixels stay inside
+        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds) + fused
 
 
 def _tensor(name, dtype, dims, optional=False):
@@ -197,6 +204,16 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     )
     if dep.device == "gpu":
         dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+    if dep.fused:
+        dicts[FUSED] = _python_model(
+            dep, FUSED,
+            [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
+            [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
+             _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
+            kind=dep.kind, count=dep.encoder_instances, max_batch=0,
+        )
+        if dep.device == "gpu":
+            dicts[FUSED]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
     # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
     # an overloaded server refuses requests with an error instead of computing on zeros.
     dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,
@@ -266,9 +283,13 @@ def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path
     return out
 
 
+# The committed rendering: the CPU deployment of the embedded default, with the optional models.
+SOURCE_DEPLOYMENT = Deployment(fused=True)
+
+
 def write_source_configs() -> None:
     """Refresh the committed CPU configs of the embedded default in model_repository/."""
-    for name, config in model_configs(Deployment()).items():
+    for name, config in model_configs(SOURCE_DEPLOYMENT).items():
         (SOURCE_REPOSITORY / name).mkdir(exist_ok=True)
         (SOURCE_REPOSITORY / name / "config.pbtxt").write_text(render_config(config))
     for twin, base in SOURCE_OF.items():
@@ -283,12 +304,13 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--checkpoint", default="")
     ap.add_argument("--out", type=Path, help="render a full repository here")
+    ap.add_argument("--fused", action="store_true", help=f"with --out: also render {FUSED}")
     ap.add_argument("--write-source", action="store_true", help="refresh model_repository/*/config.pbtxt")
     args = ap.parse_args(argv)
     if args.write_source:
         write_source_configs()
     if args.out:
-        print(render_repository(Deployment(device=args.device, checkpoint=args.checkpoint), args.out))
+        print(render_repository(Deployment(device=args.device, checkpoint=args.checkpoint, fused=args.fused), args.out))
     return 0
 
 

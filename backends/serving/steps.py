@@ -22,7 +22,7 @@ from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
-from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -252,3 +252,49 @@ class EncoderStep:
     def _tokens(self, grid_thws) -> int:
         grid = np.asarray(grid_thws, dtype=np.int64).reshape(-1, 3)
         return int((grid[:, 1] * grid[:, 2]).sum() // self.merge_tokens)
+
+
+class FusedStep:
+    """INPUT_IDS + IMAGES (+ MEDIA_FRAMES) -> EXPANDED_IDS + IMAGE_EMBEDS + GRID_THWS + IMAGE_TOKEN_COUNTS:
+    the ensemble's three steps back to back in one process (kimi_k25_vision_fused), with the same
+    checks in the same order and the same numbers.
+
+    The ensemble hands every request from process to process: the preprocessing's answer back to the
+    server, then the encoder's queue and a second stub, each hop a few tenths of a millisecond of IPC
+    and tensor hand-over. Here the pixels go straight into the encoder. What it gives up: an instance
+    takes its next request only once this one's outputs are copied out (the server waits for that), so
+    under concurrency the next request's preprocessing does not run beside this one's encoder, as it does
+    in the ensemble, whose steps are separate instances (docs/triton_runtime.md#one-model-or-the-ensemble).
+    """
+
+    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0):
+        self.cfg, self.limits = cfg, limits
+        # Pixels in the encoder's dtype, as kimi_preprocess hands them to moonvit3d in the same deployment.
+        self.pre = Preprocessor(cfg.media, limits, device=model.device, out_dtype=model.dtype)
+        self.encoder = EncoderStep(model, cuda_graphs=cuda_graphs)
+
+    def cached_bytes(self) -> int:
+        return self.encoder.cached_bytes()
+
+    def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None,
+                 embeds: bool = True) -> dict:
+        """`embeds` False: IMAGE_EMBEDS is not wanted, and the images' headers are all the other outputs
+        need (what the ensemble's pruned steps do: kimi_placeholder's header path)."""
+        ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
+        phases.mark("prompt check")
+        if embeds:
+            pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
+        else:
+            plans = plan_media([img.size for img in open_images(images, self.limits)], self.cfg.media, self.limits,
+                               media_frames)
+            grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
+        counts = [m.plan.num_tokens for m in plans]
+        out = {EXPANDED_IDS: expand_placeholders(ids, self.cfg.tokens.media_pad, counts), GRID_THWS: grid_thws,
+               IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
+        phases.mark("expand ids")
+        if embeds:
+            (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
+            if isinstance(result, Exception):
+                raise result
+            out[IMAGE_EMBEDS] = result
+        return out

@@ -22,10 +22,10 @@ from backends import phases
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
-from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
+from contract import (FORWARD_SUFFIX, FUSED, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
                       PIXEL_VALUES)
-from backends.serving.steps import (EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep,
-                                    throttled)
+from backends.serving.steps import (EncoderRequest, EncoderStep, FusedStep, ModelSettings, PlaceholderStep,
+                                    PreprocessStep, throttled)
 
 log = logging.getLogger("kimi_vision")
 
@@ -252,15 +252,46 @@ class PreprocessModel(_Adapter):
         return out
 
 
+def _load_encoder(settings: ModelSettings, config: dict):
+    from backends.weights.load import load_model
+
+    model, _ = load_model(settings.checkpoint, settings.device, dtype=_out_dtype(config, IMAGE_EMBEDS),
+                          config=settings.vision)
+    return model
+
+
+class FusedModel(_Adapter):
+    """kimi_k25_vision_fused: the ensemble's contract, its three steps in this one instance (FusedStep)."""
+
+    name = FUSED
+
+    def setup(self):
+        self.step = FusedStep(self.settings.vision, _load_encoder(self.settings, self.config), self.settings.limits,
+                              cuda_graphs=self.settings.cuda_graphs)
+
+    def respond(self, inputs: _Inputs):
+        images = inputs.bytes_list(IMAGES)
+        ids, frames = inputs.numpy(INPUT_IDS), inputs.numpy(MEDIA_FRAMES, optional=True)
+        # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS nothing is decoded.
+        embeds = IMAGE_EMBEDS in inputs.request.requested_output_names()
+        phases.mark("read inputs")
+        before = dict(self.step.pre.decode_stats)
+        try:
+            out = self.step(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
+                            embeds=embeds)
+        finally:
+            after = self.step.pre.decode_stats
+            self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
+        if embeds:
+            self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
+        return out
+
+
 class EncoderModel(_Adapter):
     name = "moonvit3d"
 
     def setup(self):
-        from backends.weights.load import load_model
-
-        model, _ = load_model(self.settings.checkpoint, self.settings.device,
-                              dtype=_out_dtype(self.config, IMAGE_EMBEDS), config=self.settings.vision)
-        self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs)
+        self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs)
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""

@@ -22,8 +22,9 @@ def placement_problems(server: TritonServer) -> list[str]:
     return [line for line in server.log_tail(10**7).splitlines() if any(p in line for p in PLACEMENT_FAILURES)]
 
 
-def start(name: str, pool: int | None = None) -> TritonServer:
-    dep = Deployment(device="gpu", gpus=torch.cuda.device_count())  # every visible GPU, a pool on each
+def start(name: str, pool: int | None = None, fused: bool = False) -> TritonServer:
+    # every visible GPU, a pool on each
+    dep = Deployment(device="gpu", gpus=torch.cuda.device_count(), fused=fused)
     return deployment_server(dep, name, cuda_pools={g: pool for g in range(dep.gpus)} if pool else dep.cuda_pools()).start()
 
 
@@ -40,7 +41,7 @@ def in_process(blobs):
 
 @pytest.fixture(scope="module")
 def gpu_server():
-    server = start("gpu-test")
+    server = start("gpu-test", fused=True)
     yield server
     server.stop()
 
@@ -83,6 +84,29 @@ def test_one_registered_cuda_region_serves_several_requests(gpu_server):
                     np.testing.assert_array_equal(got.cuda_embeds.float().cpu().numpy(), plain.image_embeds)
     finally:
         client.close()
+
+
+def test_the_fused_model_gives_the_ensembles_bits_on_the_gpu(gpu_server):
+    """kimi_k25_vision_fused runs the same kernels in one process: the same bits as the ensemble, call for
+    call (each sees the grids as often, so both replay their CUDA graphs at the same calls), with the
+    3000x2000 JPEG on the GPU decoder; and into a CUDA shared-memory region too."""
+    blobs = images()
+    ids = chat_prompt_ids(3)
+    ensemble = KimiVisionClient(gpu_server.grpc_url)
+    fused = KimiVisionClient(gpu_server.grpc_url, model="kimi_k25_vision_fused")
+    try:
+        for _ in range(3):
+            a, b = ensemble.infer(ids, blobs), fused.infer(ids, blobs)
+            np.testing.assert_array_equal(b.image_embeds, a.image_embeds)
+            assert b.expanded_ids.tolist() == a.expanded_ids.tolist()
+            assert b.grid_thws.tolist() == a.grid_thws.tolist()
+        shm = fused.infer(ids, blobs, shm="cuda")
+        assert shm.cuda_embeds.is_cuda and shm.cuda_embeds.dtype == torch.bfloat16
+        np.testing.assert_array_equal(shm.image_embeds, a.image_embeds)
+    finally:
+        ensemble.close()
+        fused.close()
+    assert placement_problems(gpu_server) == []
 
 
 def test_text_only_on_gpu(gpu_server):

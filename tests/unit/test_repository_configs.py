@@ -5,13 +5,15 @@ import shutil
 
 import pytest
 
-from backends.deploy.repository import (MODELS, SOURCE_OF, SOURCE_REPOSITORY, Deployment, model_configs, render_config,
-                                        render_repository)
+from backends.deploy.repository import (MODELS, OPTIONAL_MODELS, SOURCE_DEPLOYMENT, SOURCE_OF, SOURCE_REPOSITORY,
+                                        Deployment, model_configs, render_config, render_repository)
 from backends.deploy.validate import validate_repository
 
 
 def test_committed_configs_are_the_rendered_cpu_default():
-    for name, config in model_configs(Deployment()).items():
+    assert sorted(model_configs(SOURCE_DEPLOYMENT)) == sorted(MODELS + OPTIONAL_MODELS)
+    assert sorted(p.name for p in SOURCE_REPOSITORY.iterdir() if p.is_dir()) == sorted(MODELS + OPTIONAL_MODELS)
+    for name, config in model_configs(SOURCE_DEPLOYMENT).items():
         committed = (SOURCE_REPOSITORY / name / "config.pbtxt").read_text()
         assert committed == render_config(config), f"{name}/config.pbtxt is stale: run `make configs`"
     for twin, base in SOURCE_OF.items():
@@ -20,22 +22,36 @@ def test_committed_configs_are_the_rendered_cpu_default():
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
-def test_rendered_repositories_validate(tmp_path, device):
-    repo = render_repository(Deployment(device=device), tmp_path / device)
+@pytest.mark.parametrize("fused", [False, True])
+def test_rendered_repositories_validate(tmp_path, device, fused):
+    repo = render_repository(Deployment(device=device, fused=fused), tmp_path / device)
     assert validate_repository(repo) == []
-    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS)
+    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS + (OPTIONAL_MODELS if fused else ()))
+
+
+def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement():
+    """Same inputs and outputs as the plain ensemble (a client switches by name alone); instances where
+    moonvit3d's are, one request at a time (no batch dimension), the encoder's graphs on a GPU."""
+    for device in ("cpu", "gpu"):
+        configs = model_configs(Deployment(device=device, fused=True, encoder_instances=2))
+        fused, ensemble, encoder = configs["kimi_k25_vision_fused"], configs["kimi_k25_vision"], configs["moonvit3d"]
+        assert fused.input == ensemble.input and fused.output == ensemble.output
+        assert fused.max_batch_size == 0 and not fused.HasField("dynamic_batching")
+        assert fused.instance_group == encoder.instance_group
+        assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
+        assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
 
 
 def test_gpu_deployment_differs_only_in_placement_and_dtypes():
-    cpu, gpu = model_configs(Deployment("cpu")), model_configs(Deployment("gpu"))
-    for name in MODELS:
+    cpu, gpu = model_configs(Deployment("cpu", fused=True)), model_configs(Deployment("gpu", fused=True))
+    for name in MODELS + OPTIONAL_MODELS:
         a, b = render_config(cpu[name]).splitlines(), render_config(gpu[name]).splitlines()
         changed = {x.strip() for x in set(a) ^ set(b)}
         allowed = {"data_type: TYPE_FP32", "data_type: TYPE_BF16", "kind: KIND_CPU", "kind: KIND_GPU",
                    'string_value: "yes"', 'string_value: "no"', "gpus: 0"}
         if name.startswith("kimi_preprocess"):  # 2 instances per GPU by default, 1 on CPU
             allowed |= {"count: 1", "count: 2"}
-        if name == "moonvit3d":  # GPU only: how many encoder CUDA graphs to keep
+        if name in ("moonvit3d", "kimi_k25_vision_fused"):  # GPU only: how many encoder CUDA graphs to keep
             allowed |= {'key: "cuda_graphs"', f'string_value: "{Deployment("gpu").cuda_graphs}"'}
         assert changed <= allowed, (name, changed - allowed)
     assert gpu["moonvit3d"].instance_group[0].kind == gpu["moonvit3d"].instance_group[0].KIND_GPU

@@ -1,0 +1,111 @@
+"""kimi_k25_vision_fused on a real tritonserver: the ensemble's contract and answers from one model whose
+instance runs the three steps in one process (the test server renders it: Deployment(fused=True))."""
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from backends.config import DEMO_CONFIG
+from backends.deploy.supervisor import scrape
+from backends.preprocess import Preprocessor
+from backends.weights.seeded import seeded_model
+from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like, text_card
+from server_state import eventually, inference_count, settled
+from test_ensemble_server import expected, images
+
+FUSED = "kimi_k25_vision_fused"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    blobs = images()
+    ids = chat_prompt_ids(len(blobs), text_ids=[11, 12, 13])
+    return blobs, ids, expected(blobs, ids)
+
+
+def _client(server, protocol="grpc"):
+    return KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol, model=FUSED)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_same_answer_as_the_independent_pieces_and_the_ensemble(server, reference, protocol):
+    blobs, ids, (counts_, expanded, grids, embeds) = reference
+    client = _client(server, protocol)
+    r = client.infer(ids, blobs)
+    client.close()
+    assert r.token_counts.tolist() == counts_
+    assert r.expanded_ids.tolist() == expanded  # a plain loop over the ids (expected())
+    assert r.grid_thws.tolist() == grids.tolist()
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+    ensemble = KimiVisionClient(server.grpc_url)
+    e = ensemble.infer(ids, blobs)
+    ensemble.close()
+    # The same code on the same device, in one process instead of three: the same bits.
+    assert np.array_equal(r.image_embeds, e.image_embeds)
+    assert np.array_equal(r.expanded_ids, e.expanded_ids)
+
+
+def test_it_is_one_model_the_ensembles_steps_do_not_run(server, reference):
+    blobs, ids, _ = reference
+    steps = ("kimi_preprocess", "moonvit3d", "kimi_placeholder")
+    before = settled(lambda: [inference_count(server, m) for m in steps])
+    fused_before = settled(lambda: inference_count(server, FUSED))
+    client = _client(server)
+    client.infer(ids, blobs)
+    client.close()
+    assert eventually(lambda: inference_count(server, FUSED), lambda n: n > fused_before) == fused_before + 1
+    assert [inference_count(server, m) for m in steps] == before
+
+
+def test_ids_and_counts_alone_decode_nothing(server, reference):
+    """Without IMAGE_EMBEDS the headers are enough: the answer is the full one's, and no image is decoded
+    (the decode counter, which counts every decoded image by path, does not move)."""
+    blobs, ids, (counts_, expanded, grids, _) = reference
+
+    def decoded():
+        return sum(v for n, labels, v in scrape(server.metrics_url)
+                   if n == "kimi_vision_decodes_total" and labels.get("model") == FUSED)
+
+    client = _client(server)
+    client.infer(ids, blobs)  # the counter exists from here on
+    before = settled(decoded)
+    r = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS", "GRID_THWS"])
+    assert r.image_embeds is None and r.expanded_ids.tolist() == expanded and r.token_counts.tolist() == counts_
+    assert r.grid_thws.tolist() == grids.tolist()
+    client.infer(chat_prompt_ids(1), blobs[:1], outputs=["IMAGE_EMBEDS"])  # one image decoded: the counter is alive
+    client.close()
+    assert eventually(decoded, lambda n: n != before) == before + 1
+
+
+def test_bad_requests_get_the_ensembles_errors_and_the_next_one_is_served(server, reference):
+    blobs, ids, (_, _, _, embeds) = reference
+    client = _client(server)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer(np.array([1, MEDIA_PAD, 2, MEDIA_PAD, 3], np.int64), blobs[:1])
+    assert "has 2 <|media_pad|> placeholder token(s)" in str(err.value) and "but 1 image(s)" in str(err.value)
+    with pytest.raises(InferenceServerException, match="image 1: not a decodable image"):
+        client.infer(chat_prompt_ids(2), [blobs[0], b"\x89PNG\r\n\x1a\n this is not really a png"])
+    with pytest.raises(InferenceServerException, match="MEDIA_FRAMES"):
+        client.infer(chat_prompt_ids(1), blobs[:2], media_frames=[3])
+    r = client.infer(ids, blobs)
+    client.close()
+    np.testing.assert_allclose(r.image_embeds, embeds, rtol=1e-5, atol=1e-6)
+
+
+def test_text_only_and_video_requests(server):
+    client = _client(server)
+    ids = np.array([163587, 5, 6, 7, 163586], np.int64)
+    text = client.infer(ids, [])
+    frames = [encode(photo_like(600, 400, seed=s), "JPEG") for s in range(4)]
+    blobs = frames + [encode(text_card(300, 200), "PNG")]
+    video = client.infer(chat_prompt_ids(2), blobs, media_frames=[4, 0])
+    client.close()
+    assert text.expanded_ids.tolist() == ids.tolist()
+    assert text.image_embeds.shape == (0, DEMO_CONFIG.encoder.text_hidden_size)
+    assert text.grid_thws.shape == (0, 3) and text.token_counts.shape == (0,)
+    pv, grids, plans = Preprocessor(DEMO_CONFIG.media)(blobs, media_frames=[4, 0])
+    assert video.grid_thws.tolist() == grids.tolist() and grids[0, 0] == 4
+    assert video.token_counts.tolist() == [m.plan.num_tokens for m in plans]
+    np.testing.assert_allclose(video.image_embeds, seeded_model(DEMO_CONFIG.encoder)(pv, grids).numpy(),
+                               rtol=1e-5, atol=1e-6)

@@ -1,0 +1,68 @@
+"""FusedStep (kimi_k25_vision_fused's logic) without a server: the ensemble's answer from pieces that do
+not share its code path (the preprocessor and the model called directly, the ids expanded by a plain
+loop), its checks before any image is read, and the header-only answer without IMAGE_EMBEDS."""
+
+import numpy as np
+import pytest
+import torch
+
+from backends.config import DEMO_CONFIG
+from backends.errors import RequestError
+from backends.preprocess import Preprocessor
+from backends.serving.steps import FusedStep
+from backends.weights.seeded import seeded_model
+from clients.samples import encode, photo_like, text_card
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, MEDIA_PAD, chat_prompt_ids
+
+
+@pytest.fixture(scope="module")
+def step():
+    return FusedStep(DEMO_CONFIG, seeded_model(DEMO_CONFIG.encoder))
+
+
+def blobs():
+    return [encode(photo_like(640, 480, seed=1), "JPEG", quality=90), encode(text_card(300, 200), "PNG")]
+
+
+def loop_expand(ids, counts):
+    out, i = [], 0
+    for tok in ids:
+        if tok == MEDIA_PAD:
+            out += [MEDIA_PAD] * counts[i]
+            i += 1
+        else:
+            out.append(tok)
+    return out
+
+
+def test_the_answer_equals_the_pieces(step):
+    images, ids = blobs(), chat_prompt_ids(2, text_ids=[7, 8])
+    out = step(np.asarray(ids), images)
+    pv, grids, plans = Preprocessor(DEMO_CONFIG.media)(images)
+    counts = [m.plan.num_tokens for m in plans]
+    embeds = seeded_model(DEMO_CONFIG.encoder)(pv, grids)
+    assert out[IMAGE_TOKEN_COUNTS].tolist() == counts and out[GRID_THWS].tolist() == grids.tolist()
+    assert out[EXPANDED_IDS].tolist() == loop_expand(ids, counts)
+    assert torch.equal(out[IMAGE_EMBEDS], embeds)
+
+
+def test_without_embeds_only_the_headers_are_read(step, monkeypatch):
+    images, ids = blobs(), chat_prompt_ids(2)
+    full = step(np.asarray(ids), images)
+    def refuse(*a, **k):
+        raise AssertionError("decoded although IMAGE_EMBEDS was not asked for")
+
+    monkeypatch.setattr(type(step.pre), "__call__", refuse)
+    part = step(np.asarray(ids), images, embeds=False)
+    assert IMAGE_EMBEDS not in part
+    for name in (EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS):
+        assert np.array_equal(part[name], full[name]), name
+
+
+def test_a_broken_prompt_is_refused_before_any_image_is_read(step, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("an image was read before the prompt was checked")
+
+    monkeypatch.setattr(type(step.pre), "__call__", refuse)
+    with pytest.raises(RequestError, match="has 1 <|media_pad|> placeholder token.s. .id 163605. but 2 image"):
+        step(np.asarray(chat_prompt_ids(1)), [b"garbage", b"more garbage"])
