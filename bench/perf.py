@@ -292,7 +292,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"checkpoint={args.checkpoint or 'embedded demo'}, images={args.images} ({len(images)} per request), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
-                                  f"kimi_preprocess {dep.preprocess_instances}")
+                                  f"kimi_preprocess {dep.preprocess_instances}"
+                                  + (f", {FUSED} {dep.encoder_instances}" if dep.fused else ""))
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),

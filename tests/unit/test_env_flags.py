@@ -47,6 +47,19 @@ def test_a_bad_kimi_mps_stops_the_launcher_with_one_line(monkeypatch):
         build_parser()
 
 
+def test_kimi_fused_renders_the_fused_model_and_a_bad_word_stops_the_launcher(monkeypatch):
+    from backends.deploy.launcher import build_parser
+
+    monkeypatch.delenv("KIMI_FUSED", raising=False)
+    assert build_parser().parse_args([]).fused is False
+    monkeypatch.setenv("KIMI_FUSED", "yes")
+    assert build_parser().parse_args([]).fused is True
+    assert build_parser().parse_args(["--no-fused"]).fused is False
+    monkeypatch.setenv("KIMI_FUSED", "maybe")
+    with pytest.raises(SystemExit, match="KIMI_FUSED='maybe'"):
+        build_parser()
+
+
 def test_kimi_profile_torch_is_read_only_when_profiling(monkeypatch):
     from backends.serving.profiling import ExecuteProfiler
 
