@@ -18,7 +18,7 @@ from backends import phases
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
-from backends.errors import RequestError
+from backends.errors import RequestCancelled, RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
@@ -293,6 +293,9 @@ class FusedStep:
                IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
         phases.mark("expand ids")
         if embeds:
+            # As moonvit3d does before its forward: a client that gave up meanwhile costs no encoder time.
+            if cancelled is not None and cancelled():
+                raise RequestCancelled("cancelled by the client before the encoder ran")
             (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
             if isinstance(result, Exception):
                 raise result

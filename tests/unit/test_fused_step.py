@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from backends.config import DEMO_CONFIG
-from backends.errors import RequestError
+from backends.errors import RequestCancelled, RequestError
 from backends.preprocess import Preprocessor
 from backends.serving.steps import FusedStep
 from backends.weights.seeded import seeded_model
@@ -66,3 +66,21 @@ def test_a_broken_prompt_is_refused_before_any_image_is_read(step, monkeypatch):
     monkeypatch.setattr(type(step.pre), "__call__", refuse)
     with pytest.raises(RequestError, match="has 1 <|media_pad|> placeholder token.s. .id 163605. but 2 image"):
         step(np.asarray(chat_prompt_ids(1)), [b"garbage", b"more garbage"])
+
+
+def test_a_client_that_gave_up_during_preprocessing_costs_no_encoder_time(step, monkeypatch):
+    """Asked before each media (the preprocessor) and once more before the encoder: a request cancelled
+    after its last image was preprocessed stops there."""
+    asked = []
+
+    def cancelled():
+        asked.append(len(asked))
+        return len(asked) > 2  # two images: the first two questions come from the preprocessor
+
+    def refuse(*a, **k):
+        raise AssertionError("the encoder ran for a cancelled request")
+
+    monkeypatch.setattr(step.encoder, "run_batch", refuse)
+    with pytest.raises(RequestCancelled, match="before the encoder ran"):
+        step(np.asarray(chat_prompt_ids(2)), blobs(), cancelled=cancelled)
+    assert len(asked) == 3
