@@ -42,13 +42,16 @@ def main(argv=None) -> int:
     ap.add_argument("--output-capacity-mib", type=int, default=None,
                     help="the IMAGE_EMBEDS region with --shm system/cuda, MiB (default: sized to the request, "
                          "from its token counts, which kimi_placeholder answers from the images' headers)")
+    ap.add_argument("--model", default=None,
+                    help="the model to ask (default: the kimi_k25_vision ensemble; e.g. kimi_k25_vision_fused on a "
+                         "server started with --fused)")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     images = [p.read_bytes() for p in args.image]
     frames = parse_ids(args.media_frames) if args.media_frames else None
     num_media = len(images) if frames is None else len(frames)
     ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)
-    client = KimiVisionClient(url, protocol=args.protocol, admin_key=args.admin_key)
+    client = KimiVisionClient(url, protocol=args.protocol, model=args.model, admin_key=args.admin_key)
     try:
         capacity = {}
         if args.output_capacity_mib is not None:

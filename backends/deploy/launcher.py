@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
                          "tracing is turned on through its trace API (README: Trace a request); off until then")
     ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
-                    help="moonvit3d instances per GPU (in all on CPU)")
+                    help="moonvit3d instances per GPU (in all on CPU); kimi_k25_vision_fused's too, with --fused")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("--cpu-latency-us", type=cpu_latency.limit, default=os.environ.get("KIMI_CPU_LATENCY_US") or None,

@@ -118,12 +118,17 @@ class Deployment:
         shared-memory regions, which grow to the largest exchange and never shrink in tritonserver
         2.51 (docs/triton_runtime.md#known-server-limitations). Bound: each preprocessing instance's
         largest PIXEL_VALUES, and moonvit3d taking a full batch of such requests plus their
-        embeddings. The limits enforce it; a GPU deployment passes the tensors as CUDA IPC handles,
-        so its regions hold a few MiB. Encoded image bytes come on top (they are the request's own)."""
+        embeddings. The limits enforce it; a GPU deployment passes the tensors between steps on the
+        GPU, so its regions hold a few MiB. The fused model (Deployment.fused) passes nothing between
+        steps, but its answers go through the regions when the client's buffer is host memory (a
+        plain gRPC or HTTP response; the ensemble's own scheduler takes them on the GPU): one largest
+        IMAGE_EMBEDS per instance, on a GPU in BF16 on each GPU's instances. Encoded image bytes come on
+        top (they are the request's own)."""
         if self.device == "gpu":
-            return 0
+            _, embeds = self._largest_tensors_bytes(2)  # BF16
+            return self.gpus * self.encoder_instances * embeds if self.fused else 0
         pixels, embeds = self._largest_tensors_bytes(4)  # FP32
-        fused = self.encoder_instances * embeds if self.fused else 0  # its answers; its pixels stay inside
+        fused = self.encoder_instances * embeds if self.fused else 0
         return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds) + fused
 
 

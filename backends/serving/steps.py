@@ -276,28 +276,28 @@ class FusedStep:
     def cached_bytes(self) -> int:
         return self.encoder.cached_bytes()
 
-    def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None,
+    def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None, cancelled_now=None,
                  embeds: bool = True) -> dict:
-        """`embeds` False: IMAGE_EMBEDS is not wanted, and the images' headers are all the other outputs
-        need (what the ensemble's pruned steps do: kimi_placeholder's header path)."""
+        """`cancelled()` is asked between media (a throttled question, as kimi_preprocess asks it),
+        `cancelled_now()` once before the encoder (as moonvit3d asks each request before its forward):
+        True raises RequestCancelled. `embeds` False: IMAGE_EMBEDS is not wanted and the encoder does not
+        run; the images are still decoded, so that a file the ensemble refuses is refused here too
+        (the ensemble runs kimi_preprocess for every subset of its outputs)."""
         ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
         phases.mark("prompt check")
-        if embeds:
-            pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
-        else:
-            plans = plan_media([img.size for img in open_images(images, self.limits)], self.cfg.media, self.limits,
-                               media_frames)
-            grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
+        pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
         counts = [m.plan.num_tokens for m in plans]
         out = {EXPANDED_IDS: expand_placeholders(ids, self.cfg.tokens.media_pad, counts), GRID_THWS: grid_thws,
                IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
         phases.mark("expand ids")
-        if embeds:
-            # As moonvit3d does before its forward: a client that gave up meanwhile costs no encoder time.
-            if cancelled is not None and cancelled():
-                raise RequestCancelled("cancelled by the client before the encoder ran")
-            (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
-            if isinstance(result, Exception):
-                raise result
-            out[IMAGE_EMBEDS] = result
+        if not embeds:
+            return out
+        # A client that gave up meanwhile (a deadline) costs no encoder time.
+        if cancelled_now is not None and cancelled_now():
+            raise RequestCancelled("cancelled by the client before the encoder ran")
+        phases.mark("cancel check")
+        (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
+        if isinstance(result, Exception):
+            raise result
+        out[IMAGE_EMBEDS] = result
         return out

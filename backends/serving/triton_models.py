@@ -272,18 +272,17 @@ class FusedModel(_Adapter):
     def respond(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
         ids, frames = inputs.numpy(INPUT_IDS), inputs.numpy(MEDIA_FRAMES, optional=True)
-        # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS nothing is decoded.
+        # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS the encoder does not run.
         embeds = IMAGE_EMBEDS in inputs.request.requested_output_names()
         phases.mark("read inputs")
         before = dict(self.step.pre.decode_stats)
         try:
             out = self.step(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
-                            embeds=embeds)
+                            cancelled_now=inputs.request.is_cancelled, embeds=embeds)
         finally:
             after = self.step.pre.decode_stats
             self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
-        if embeds:
-            self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
+        self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
         return out
 
 

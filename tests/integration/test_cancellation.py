@@ -54,3 +54,20 @@ def test_preprocessing_called_directly_stops_between_images(server, heavy):
         cancelled = eventually(lambda: _cancelled(server, "kimi_preprocess"), lambda v: v != before, timeout_s=30,
                                every_s=0.2)
         assert cancelled == before + 1
+
+
+def test_the_fused_model_stops_a_request_cancelled_by_its_deadline(server, heavy):
+    """kimi_k25_vision_fused is asked directly (no ensemble between): the deadline passes while it
+    preprocesses, and its checks (between images, then before the encoder) stop the request there."""
+    model = "kimi_k25_vision_fused"
+    before = settled(lambda: _cancelled(server, model))
+    with upstream_crash_tolerated(server):
+        client = KimiVisionClient(server.grpc_url, model=model)
+        try:
+            with pytest.raises(InferenceServerException, match="Deadline"):
+                client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.5)
+            small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
+            assert small.image_embeds.shape[0] == small.token_counts.sum()
+        finally:
+            client.close()
+        assert eventually(lambda: _cancelled(server, model), lambda v: v == before + 1, timeout_s=30) == before + 1

@@ -92,7 +92,7 @@ def test_bad_prompt_and_bad_image_together_get_one_clear_error(server):
     """Both wrong at once: with the encoder and the expansion side by side, only the first step may
     refuse a request (tritonserver 2.51 never answers one whose parallel steps both fail)."""
     client = KimiVisionClient(server.grpc_url)
-    with pytest.raises(InferenceServerException, match="has 0 <|media_pad|> placeholder token.s. .id 163605. but 1 image"):
+    with pytest.raises(InferenceServerException, match=r"has 0 <\|media_pad\|> placeholder token.s. .id 163605. but 1 image"):
         client.infer(np.array([1, 2, 3], np.int64), [b"not an image at all"], timeout_s=60)
     client.close()
 
@@ -109,7 +109,7 @@ def test_placeholder_is_usable_on_its_own_with_images_or_counts(server, referenc
     ids_in = tensor("INPUT_IDS", np.asarray(ids, np.int64), "INT64")
     from_images = c.infer("kimi_placeholder", [ids_in, tensor("IMAGES", np.array(blobs, dtype=object), "BYTES")])
     from_counts = c.infer("kimi_placeholder", [ids_in, tensor("IMAGE_TOKEN_COUNTS", np.array(counts, np.int64), "INT64")])
-    with pytest.raises(InferenceServerException, match="has 3 <|media_pad|> placeholder token.s. .id 163605. but 2 image"):
+    with pytest.raises(InferenceServerException, match=r"has 3 <\|media_pad\|> placeholder token.s. .id 163605. but 2 image"):
         c.infer("kimi_placeholder", [ids_in, tensor("IMAGE_TOKEN_COUNTS", np.array(counts[:2], np.int64), "INT64")])
     c.close()
     for r in (from_images, from_counts):

@@ -58,24 +58,40 @@ def test_it_is_one_model_the_ensembles_steps_do_not_run(server, reference):
     assert [inference_count(server, m) for m in steps] == before
 
 
-def test_ids_and_counts_alone_decode_nothing(server, reference):
-    """Without IMAGE_EMBEDS the headers are enough: the answer is the full one's, and no image is decoded
-    (the decode counter, which counts every decoded image by path, does not move)."""
+def test_without_embeds_the_encoder_does_not_run(server, reference):
+    """Ids, grids and counts without IMAGE_EMBEDS: the full answer's, and the encoder's phase (counted
+    by the stub with KIMI_PHASES=1) does not move until a request asks for the embeddings."""
     blobs, ids, (counts_, expanded, grids, _) = reference
 
-    def decoded():
+    def forward_seconds():
         return sum(v for n, labels, v in scrape(server.metrics_url)
-                   if n == "kimi_vision_decodes_total" and labels.get("model") == FUSED)
+                   if n == "kimi_vision_phase_seconds_total" and labels.get("model") == FUSED
+                   and labels.get("phase") == "forward launched")
 
     client = _client(server)
-    client.infer(ids, blobs)  # the counter exists from here on
-    before = settled(decoded)
+    client.infer(ids, blobs)  # the phase's series exists from here on
+    before = settled(forward_seconds)
     r = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS", "GRID_THWS"])
     assert r.image_embeds is None and r.expanded_ids.tolist() == expanded and r.token_counts.tolist() == counts_
     assert r.grid_thws.tolist() == grids.tolist()
-    client.infer(chat_prompt_ids(1), blobs[:1], outputs=["IMAGE_EMBEDS"])  # one image decoded: the counter is alive
+    assert settled(forward_seconds) == before
+    client.infer(chat_prompt_ids(1), blobs[:1], outputs=["IMAGE_EMBEDS"])
     client.close()
-    assert eventually(decoded, lambda n: n != before) == before + 1
+    assert eventually(forward_seconds, lambda v: v != before) > before
+
+
+def test_a_file_that_does_not_decode_is_refused_for_any_outputs_as_by_the_ensemble(server):
+    """The ensemble decodes for every subset of its outputs (kimi_preprocess makes them all), so a file
+    whose header reads but whose data is cut short fails even when only the ids are asked for."""
+    cut = encode(photo_like(64, 48, seed=3), "PNG")
+    cut = cut[: len(cut) // 2]
+    for model in ("kimi_k25_vision", FUSED):
+        client = KimiVisionClient(server.grpc_url, model=model)
+        try:
+            with pytest.raises(InferenceServerException, match="image 0: "):
+                client.infer(chat_prompt_ids(1), [cut], outputs=["EXPANDED_IDS"])
+        finally:
+            client.close()
 
 
 def test_bad_requests_get_the_ensembles_errors_and_the_next_one_is_served(server, reference):
@@ -109,3 +125,18 @@ def test_text_only_and_video_requests(server):
     assert video.token_counts.tolist() == [m.plan.num_tokens for m in plans]
     np.testing.assert_allclose(video.image_embeds, seeded_model(DEMO_CONFIG.encoder)(pv, grids).numpy(),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_the_cli_asks_the_fused_model_by_name(server, tmp_path, capsys):
+    from clients import infer
+
+    paths = []
+    for i, blob in enumerate(images()[:2]):
+        paths += ["--image", str(tmp_path / f"img{i}")]
+        (tmp_path / f"img{i}").write_bytes(blob)
+    before = settled(lambda: inference_count(server, FUSED))
+    assert infer.main([*paths, "--url", server.grpc_url, "--model", FUSED, "--shm", "system"]) == 0
+    out = capsys.readouterr().out
+    assert "media 0 (image): grid_thw (1, 36, 46) -> 414 tokens" in out and "image embeds: shape (502, 256)" in out
+    # two requests: the region's size (counts, from the model named), then the answer
+    assert eventually(lambda: inference_count(server, FUSED), lambda n: n >= before + 2) == before + 2

@@ -2,6 +2,8 @@
 not share its code path (the preprocessor and the model called directly, the ids expanded by a plain
 loop), its checks before any image is read, and the header-only answer without IMAGE_EMBEDS."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -46,17 +48,27 @@ def test_the_answer_equals_the_pieces(step):
     assert torch.equal(out[IMAGE_EMBEDS], embeds)
 
 
-def test_without_embeds_only_the_headers_are_read(step, monkeypatch):
+def test_without_embeds_the_encoder_does_not_run_and_the_rest_is_the_same(step, monkeypatch):
     images, ids = blobs(), chat_prompt_ids(2)
     full = step(np.asarray(ids), images)
-    def refuse(*a, **k):
-        raise AssertionError("decoded although IMAGE_EMBEDS was not asked for")
 
-    monkeypatch.setattr(type(step.pre), "__call__", refuse)
-    part = step(np.asarray(ids), images, embeds=False)
+    def refuse(*a, **k):
+        raise AssertionError("the encoder ran although IMAGE_EMBEDS was not asked for")
+
+    monkeypatch.setattr(step.encoder, "run_batch", refuse)
+    part = step(np.asarray(ids), images, embeds=False, cancelled_now=lambda: True)  # not asked either
     assert IMAGE_EMBEDS not in part
     for name in (EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS):
         assert np.array_equal(part[name], full[name]), name
+
+
+def test_without_embeds_a_file_that_does_not_decode_is_still_refused(step):
+    """The ensemble runs kimi_preprocess for every subset of its outputs: a PNG whose header reads but
+    whose data is cut short fails there, and so it must here."""
+    cut = encode(photo_like(64, 48, seed=3), "PNG")
+    cut = cut[: len(cut) // 2]
+    with pytest.raises(RequestError, match="image 0: "):
+        step(np.asarray(chat_prompt_ids(1)), [cut], embeds=False)
 
 
 def test_a_broken_prompt_is_refused_before_any_image_is_read(step, monkeypatch):
@@ -64,23 +76,20 @@ def test_a_broken_prompt_is_refused_before_any_image_is_read(step, monkeypatch):
         raise AssertionError("an image was read before the prompt was checked")
 
     monkeypatch.setattr(type(step.pre), "__call__", refuse)
-    with pytest.raises(RequestError, match="has 1 <|media_pad|> placeholder token.s. .id 163605. but 2 image"):
+    with pytest.raises(RequestError, match=re.escape("has 1 <|media_pad|> placeholder token(s) (id 163605) but 2 image")):
         step(np.asarray(chat_prompt_ids(1)), [b"garbage", b"more garbage"])
 
 
 def test_a_client_that_gave_up_during_preprocessing_costs_no_encoder_time(step, monkeypatch):
-    """Asked before each media (the preprocessor) and once more before the encoder: a request cancelled
-    after its last image was preprocessed stops there."""
-    asked = []
-
-    def cancelled():
-        asked.append(len(asked))
-        return len(asked) > 2  # two images: the first two questions come from the preprocessor
+    """Between media the throttled question (`cancelled`), before the encoder the direct one
+    (`cancelled_now`, asked once): a request cancelled after its last image stops there."""
+    between, before = [], []
 
     def refuse(*a, **k):
         raise AssertionError("the encoder ran for a cancelled request")
 
     monkeypatch.setattr(step.encoder, "run_batch", refuse)
     with pytest.raises(RequestCancelled, match="before the encoder ran"):
-        step(np.asarray(chat_prompt_ids(2)), blobs(), cancelled=cancelled)
-    assert len(asked) == 3
+        step(np.asarray(chat_prompt_ids(2)), blobs(), cancelled=lambda: between.append(1) or False,
+             cancelled_now=lambda: before.append(1) or True)
+    assert len(between) == 2 and len(before) == 1

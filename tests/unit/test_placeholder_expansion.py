@@ -98,7 +98,7 @@ def test_placeholder_step_counts_one_placeholder_per_media():
     counts = out["IMAGE_TOKEN_COUNTS"].tolist()
     assert counts == [28 * 38, 88]  # the chunk is planned with the per-frame limit: grid (2, 56, 76)
     assert out["EXPANDED_IDS"].tolist() == expand_by_loop([1, PAD, 2, PAD, 3], PAD, counts)
-    with pytest.raises(RequestError, match="has 2 <|media_pad|> placeholder token.s. .id 163605. but 3"):
+    with pytest.raises(RequestError, match=r"has 2 <\|media_pad\|> placeholder token.s. .id 163605. but 3"):
         step(np.array([1, PAD, 2, PAD, 3]), frames + [still])  # without MEDIA_FRAMES: 3 images
 
 
@@ -141,7 +141,7 @@ def test_preprocess_step_checks_the_prompt_before_reading_any_image():
 
     step = PreprocessStep(DEMO_CONFIG)
     # Garbage bytes: had the step read them first, the error would name the image instead.
-    with pytest.raises(RequestError, match="has 0 <|media_pad|> placeholder token.s. .id 163605. but 1 image") as err:
+    with pytest.raises(RequestError, match=r"has 0 <\|media_pad\|> placeholder token.s. .id 163605. but 1 image") as err:
         step([b"not an image"], input_ids=np.array([1, 2, 3]))
     assert err.value.reason == "placeholder_mismatch"
     with pytest.raises(RequestError, match="image 0: not a decodable image"):

@@ -123,3 +123,16 @@ def test_the_ensemble_runs_preprocessing_first_then_encoder_and_expansion_on_its
         assert dict(steps[pre].input_map) == {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", "INPUT_IDS": "INPUT_IDS"}
         assert dict(steps[placeholder].input_map) == {"INPUT_IDS": "INPUT_IDS", "IMAGE_TOKEN_COUNTS": "image_token_counts"}
         assert steps[pre].output_map["IMAGE_TOKEN_COUNTS_FORWARD"] == "image_token_counts"
+
+
+def test_the_fused_models_answers_count_in_the_shared_memory_ceiling():
+    """Its IMAGE_EMBEDS reach a host-memory client through the stub's regions: one largest answer per
+    instance (BF16 on every GPU's instances, FP32 on CPU); a GPU deployment without it needs none."""
+    enc = Deployment().vision.encoder
+    rows = Deployment().limits.max_patches // enc.merge_tokens
+    gpu = dict(device="gpu", gpus=2, encoder_instances=2)
+    assert Deployment(**gpu).shm_ceiling_bytes() == 0
+    assert Deployment(**gpu, fused=True).shm_ceiling_bytes() == 2 * 2 * rows * enc.text_hidden_size * 2
+    cpu = Deployment(encoder_instances=2)
+    assert Deployment(encoder_instances=2, fused=True).shm_ceiling_bytes() - cpu.shm_ceiling_bytes() \
+        == 2 * rows * enc.text_hidden_size * 4
