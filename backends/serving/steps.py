@@ -295,7 +295,7 @@ class FusedStep:
         # A client that gave up meanwhile (a deadline) costs no encoder time.
         if cancelled_now is not None and cancelled_now():
             raise RequestCancelled("cancelled by the client before the encoder ran")
-        phases.mark("cancel check")
+        phases.mark("cancel check before the encoder")
         (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
         if isinstance(result, Exception):
             raise result

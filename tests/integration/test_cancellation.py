@@ -58,16 +58,21 @@ def test_preprocessing_called_directly_stops_between_images(server, heavy):
 
 def test_the_fused_model_stops_a_request_cancelled_by_its_deadline(server, heavy):
     """kimi_k25_vision_fused is asked directly (no ensemble between): the deadline passes while it
-    preprocesses, and its checks (between images, then before the encoder) stop the request there."""
-    model = "kimi_k25_vision_fused"
-    before = settled(lambda: _cancelled(server, model))
+    preprocesses, its check between images stops the request (or, had preprocessing ended first, the
+    one before the encoder), and its encoder never runs for it."""
+    from test_fused_model import FUSED, forward_seconds_after, fused_sample
+
+    before = settled(lambda: _cancelled(server, FUSED))
+    steps = settled(lambda: fused_sample(server, "kimi_vision_step_seconds_count"))
+    forward = forward_seconds_after(server, steps)
     with upstream_crash_tolerated(server):
-        client = KimiVisionClient(server.grpc_url, model=model)
+        client = KimiVisionClient(server.grpc_url, model=FUSED)
         try:
             with pytest.raises(InferenceServerException, match="Deadline"):
-                client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.5)
+                client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.3)
+            assert eventually(lambda: _cancelled(server, FUSED), lambda v: v == before + 1, timeout_s=30) == before + 1
+            assert forward_seconds_after(server, steps + 1) == forward  # the heavy request's encoder never ran
             small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
             assert small.image_embeds.shape[0] == small.token_counts.sum()
         finally:
             client.close()
-        assert eventually(lambda: _cancelled(server, model), lambda v: v == before + 1, timeout_s=30) == before + 1

@@ -58,26 +58,34 @@ def test_it_is_one_model_the_ensembles_steps_do_not_run(server, reference):
     assert [inference_count(server, m) for m in steps] == before
 
 
+def fused_sample(server, name: str, **labels) -> float:
+    """One of the fused model's own metrics (summed over its other labels) as the server shows it now."""
+    return sum(v for n, got, v in scrape(server.metrics_url)
+               if n == name and got.get("model") == FUSED and all(got.get(k) == v_ for k, v_ in labels.items()))
+
+
+def forward_seconds_after(server, steps: float) -> float:
+    """The fused model's "forward launched" phase, read once its step count has reached `steps`: the
+    stub's sender thread sends a request's phases before its step time, so by then they are in."""
+    eventually(lambda: fused_sample(server, "kimi_vision_step_seconds_count"), lambda n: n >= steps, timeout_s=30)
+    return fused_sample(server, "kimi_vision_phase_seconds_total", phase="forward launched")
+
+
 def test_without_embeds_the_encoder_does_not_run(server, reference):
     """Ids, grids and counts without IMAGE_EMBEDS: the full answer's, and the encoder's phase (counted
     by the stub with KIMI_PHASES=1) does not move until a request asks for the embeddings."""
     blobs, ids, (counts_, expanded, grids, _) = reference
-
-    def forward_seconds():
-        return sum(v for n, labels, v in scrape(server.metrics_url)
-                   if n == "kimi_vision_phase_seconds_total" and labels.get("model") == FUSED
-                   and labels.get("phase") == "forward launched")
-
     client = _client(server)
     client.infer(ids, blobs)  # the phase's series exists from here on
-    before = settled(forward_seconds)
+    steps = settled(lambda: fused_sample(server, "kimi_vision_step_seconds_count"))
+    before = forward_seconds_after(server, steps)
     r = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS", "GRID_THWS"])
     assert r.image_embeds is None and r.expanded_ids.tolist() == expanded and r.token_counts.tolist() == counts_
     assert r.grid_thws.tolist() == grids.tolist()
-    assert settled(forward_seconds) == before
+    assert forward_seconds_after(server, steps + 1) == before
     client.infer(chat_prompt_ids(1), blobs[:1], outputs=["IMAGE_EMBEDS"])
     client.close()
-    assert eventually(forward_seconds, lambda v: v != before) > before
+    assert forward_seconds_after(server, steps + 2) > before
 
 
 def test_a_file_that_does_not_decode_is_refused_for_any_outputs_as_by_the_ensemble(server):
@@ -88,7 +96,7 @@ def test_a_file_that_does_not_decode_is_refused_for_any_outputs_as_by_the_ensemb
     for model in ("kimi_k25_vision", FUSED):
         client = KimiVisionClient(server.grpc_url, model=model)
         try:
-            with pytest.raises(InferenceServerException, match="image 0: "):
+            with pytest.raises(InferenceServerException, match="image 0: decoding failed"):
                 client.infer(chat_prompt_ids(1), [cut], outputs=["EXPANDED_IDS"])
         finally:
             client.close()

@@ -1,6 +1,7 @@
 """FusedStep (kimi_k25_vision_fused's logic) without a server: the ensemble's answer from pieces that do
 not share its code path (the preprocessor and the model called directly, the ids expanded by a plain
-loop), its checks before any image is read, and the header-only answer without IMAGE_EMBEDS."""
+loop), its checks before any image is read, the answer without IMAGE_EMBEDS (no encoder, the same
+refusals), its cancel checks; and the adapter's wiring of those checks to the request."""
 
 import re
 
@@ -67,7 +68,7 @@ def test_without_embeds_a_file_that_does_not_decode_is_still_refused(step):
     whose data is cut short fails there, and so it must here."""
     cut = encode(photo_like(64, 48, seed=3), "PNG")
     cut = cut[: len(cut) // 2]
-    with pytest.raises(RequestError, match="image 0: "):
+    with pytest.raises(RequestError, match="image 0: decoding failed"):
         step(np.asarray(chat_prompt_ids(1)), [cut], embeds=False)
 
 
@@ -93,3 +94,45 @@ def test_a_client_that_gave_up_during_preprocessing_costs_no_encoder_time(step, 
         step(np.asarray(chat_prompt_ids(2)), blobs(), cancelled=lambda: between.append(1) or False,
              cancelled_now=lambda: before.append(1) or True)
     assert len(between) == 2 and len(before) == 1
+
+
+def test_the_adapter_asks_the_server_directly_before_the_encoder(monkeypatch):
+    """FusedModel hands the step a throttled question for between the media (not asked within its first
+    20 ms) and the request's own is_cancelled for before the encoder (asked at once)."""
+    import importlib
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.delitem(sys.modules, "backends.serving.triton_models", raising=False)
+    triton_models = importlib.import_module("backends.serving.triton_models")
+    got = {}
+
+    class Step:
+        pre = SimpleNamespace(decode_stats={})
+
+        def __call__(self, *args, **kwargs):
+            got.update(kwargs)
+            return {GRID_THWS: np.zeros((0, 3), np.int64)}
+
+    class Request:
+        asked = 0
+
+        def is_cancelled(self):
+            Request.asked += 1
+            return True
+
+        def requested_output_names(self):
+            return ["IMAGE_EMBEDS", "EXPANDED_IDS"]
+
+    model = triton_models.FusedModel.__new__(triton_models.FusedModel)
+    model.step = Step()
+    model.metrics = SimpleNamespace(decodes=lambda counts: None, preprocessed=lambda images, patches: None)
+    inputs = SimpleNamespace(request=Request(), bytes_list=lambda name: [],
+                             numpy=lambda name, optional=False: np.array([1, 2]) if name == "INPUT_IDS" else None)
+    model.respond(inputs)
+    assert got["embeds"] is True
+    assert got["cancelled"]() is False and Request.asked == 0  # throttled: not asked so soon
+    assert got["cancelled_now"]() is True and Request.asked == 1  # the server is asked
+    monkeypatch.delitem(sys.modules, "backends.serving.triton_models")  # not kept with the stand-in module
