@@ -1,4 +1,5 @@
-"""Send a prompt and images through the kimi_k25_vision ensemble and print what came back.
+"""Send a prompt and images through the kimi_k25_vision ensemble (or the model --model names) and print
+what came back.
 
     python -m clients.infer --image a.jpg --image b.png                     # prompt built for you
     python -m clients.infer --ids 163602,163603,163605,163604,1,2 --image a.jpg --protocol http

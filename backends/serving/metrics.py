@@ -17,7 +17,7 @@ them).
 
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
   that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
-  in moonvit3d also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
+  in moonvit3d and kimi_k25_vision_fused also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
   per-grid tables), which grows towards its bounds as new shapes arrive. Allocated minus cached that
   keeps growing is a leak; reserved that grows while allocated does not is the allocator's cache.
 
