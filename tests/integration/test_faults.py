@@ -15,7 +15,9 @@ from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from server_state import restarts as server_restarts
 
-MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched"]
+FUSED = "kimi_k25_vision_fused"
+MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched",
+          FUSED]
 
 
 def _metrics(server) -> list:
@@ -54,9 +56,9 @@ class Load:
                         c.close()
 
 
-def _serves(server, batched: bool) -> bool:
+def _serves(server, batched: bool, model: str | None = None) -> bool:
     try:
-        c = KimiVisionClient(server.grpc_url, batched=batched)
+        c = KimiVisionClient(server.grpc_url, batched=batched, model=model)
         r = c.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=1), "PNG")], timeout_s=20)
         c.close()
         return r.image_embeds.shape[0] > 0
@@ -84,7 +86,7 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
 
 
 def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
-    server = deployment_server(Deployment(device="cpu"), "faults")
+    server = deployment_server(Deployment(device="cpu", fused=True), "faults")
     server.kept_log("previous").unlink(missing_ok=True)  # an earlier run's
     prefixes = []
     server.start()
@@ -101,6 +103,7 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
                 f"not healed after {name} died"
             prefixes.append(server.server.shm_prefix)
             assert _serves(server, batched=False) and _serves(server, batched=True), f"not serving after {name} died"
+            assert _serves(server, batched=False, model=FUSED), f"the fused model does not answer after {name} died"
         load.stop.set()
         load.thread.join()
         assert load.ok > 0
