@@ -219,6 +219,11 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         )
         if dep.device == "gpu":
             dicts[FUSED]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+        # Not for batching (it takes no batch dimension, so each execution holds one request): tritonserver
+        # 2.51 accepts a dynamic batcher on such a model, and its queue policy bounds the waiting requests
+        # as moonvit3d's does; beyond it a request is refused ("Exceeds maximum queue size").
+        dicts[FUSED]["dynamic_batching"] = {"max_queue_delay_microseconds": 0,
+                                            "default_queue_policy": {"max_queue_size": dep.max_queue}}
     # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
     # an overloaded server refuses requests with an error instead of computing on zeros.
     dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,

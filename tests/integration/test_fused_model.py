@@ -148,3 +148,41 @@ def test_the_cli_asks_the_fused_model_by_name(server, tmp_path, capsys):
     assert "media 0 (image): grid_thw (1, 36, 46) -> 414 tokens" in out and "image embeds: shape (502, 256)" in out
     # two requests: the region's size (counts, from the model named), then the answer
     assert eventually(lambda: inference_count(server, FUSED), lambda n: n >= before + 2) == before + 2
+
+
+def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
+    """Its own server with room for one waiting request: of six heavy requests sent at once, one runs,
+    one waits, the rest are refused with tritonserver's queue error; the answered ones are whole and
+    the server serves on."""
+    import threading
+
+    from backends.deploy.launcher import deployment_server
+    from backends.deploy.repository import Deployment
+
+    blobs = [encode(photo_like(1024, 1024, seed=i), "JPEG", quality=90) for i in range(4)]
+    with deployment_server(Deployment(device="cpu", fused=True, max_queue=1), "fused-queue") as server:
+        results = []
+
+        def one():
+            client = _client(server)
+            try:
+                results.append(client.infer(chat_prompt_ids(4), blobs))
+            except Exception as exc:  # noqa: BLE001 - sorted below
+                results.append(exc)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        refused = [r for r in results if isinstance(r, Exception)]
+        answered = [r for r in results if not isinstance(r, Exception)]
+        assert len(results) == 6 and refused and len(answered) >= 2, results
+        assert all("Exceeds maximum queue size" in str(e) for e in refused), refused
+        assert all(r.image_embeds.shape[0] == r.token_counts.sum() for r in answered)
+        client = _client(server)
+        r = client.infer(chat_prompt_ids(1), blobs[:1])
+        client.close()
+        assert r.image_embeds.shape[0] == r.token_counts.sum()

@@ -36,7 +36,10 @@ def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement()
         configs = model_configs(Deployment(device=device, fused=True, encoder_instances=2))
         fused, ensemble, encoder = configs["kimi_k25_vision_fused"], configs["kimi_k25_vision"], configs["moonvit3d"]
         assert fused.input == ensemble.input and fused.output == ensemble.output
-        assert fused.max_batch_size == 0 and not fused.HasField("dynamic_batching")
+        assert fused.max_batch_size == 0  # one request per execution, no batch dimension
+        # its waiting requests bounded as moonvit3d's are, with no batching window
+        assert fused.dynamic_batching.default_queue_policy.max_queue_size == Deployment().max_queue
+        assert fused.dynamic_batching.max_queue_delay_microseconds == 0
         assert fused.instance_group == encoder.instance_group
         assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
         assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
