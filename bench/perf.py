@@ -298,7 +298,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),
              "out ms = server compute output (avg), net ms = network + server send/recv (avg), "
-             "enc batch = requests per moonvit3d execution over perf_analyzer's whole run at that level",
+             "enc batch = requests per moonvit3d execution over perf_analyzer's whole run at that level"
+             + (" (nan for kimi_k25_vision_fused, which does not use moonvit3d)" if "fused" in ensembles else ""),
              f"{'ensemble':>24} {'shm':>6} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} "
              f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8} {'enc batch':>9}"]
     if encoder_line:
