@@ -230,9 +230,9 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
-    if max(levels) > dep.max_queue and set(ensembles) != {"fused"}:  # the fused model has no bounded queue
-        print(f"note: concurrency {max(levels)} exceeds moonvit3d's queue bound ({dep.max_queue}); the server "
-              f"refuses what does not fit, so expect errors there")
+    if max(levels) > dep.max_queue:
+        print(f"note: concurrency {max(levels)} exceeds the queue bound ({dep.max_queue} waiting for moonvit3d, "
+              f"or for kimi_k25_vision_fused); the server refuses what does not fit, so expect errors there")
     # Under --mps the server and perf_analyzer are the daemon's clients; this process is not (its own
     # CUDA context, for the encoder alone, would keep the daemon from quitting).
     mps_env = daemon.env() if daemon else {}

@@ -50,7 +50,7 @@ class Deployment:
     # How long moonvit3d's batcher waits for more requests. 0: no window; requests that queue while the
     # encoder is busy are still batched, and nobody pays for waiting when there is nothing to batch.
     batch_delay_us: int = 0
-    max_queue: int = 16  # requests waiting for moonvit3d; beyond it a request is refused with an error
+    max_queue: int = 16  # requests waiting for moonvit3d (and for the fused model); beyond it one is refused
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
     # Also serve kimi_k25_vision_fused: the ensemble's contract from one model whose instances
     # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.

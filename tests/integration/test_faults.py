@@ -29,7 +29,7 @@ def _value(samples, name, **labels) -> float:
 
 
 class Load:
-    """Requests through both ensembles in a loop; counts what came back."""
+    """Requests through both ensembles and the fused model in a loop; counts what came back."""
 
     def __init__(self, server):
         self.server, self.ok, self.failed, self.stop = server, 0, 0, threading.Event()
@@ -42,10 +42,10 @@ class Load:
             # this process's gRPC connection backing off (seconds, growing), past the server's return.
             if not self.server.serving.wait(1.0):
                 continue
-            for batched in (False, True):
+            for batched, model in ((False, None), (True, None), (False, FUSED)):
                 c = None
                 try:
-                    c = KimiVisionClient(self.server.grpc_url, batched=batched)
+                    c = KimiVisionClient(self.server.grpc_url, batched=batched, model=model)
                     c.infer(chat_prompt_ids(1), [self.blob], timeout_s=20)
                     self.ok += 1
                 except Exception:  # noqa: BLE001 - failures while a stub is dead or the server restarts

@@ -151,9 +151,9 @@ def test_the_cli_asks_the_fused_model_by_name(server, tmp_path, capsys):
 
 
 def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
-    """Its own server with room for one waiting request: of six heavy requests sent at once, one runs,
-    one waits, the rest are refused with tritonserver's queue error; the answered ones are whole and
-    the server serves on."""
+    """Its own server with room for one waiting request: of eight heavy requests sent at once, some are
+    refused with tritonserver's queue error (how many the server takes in beside the one waiting is its
+    own business: at least the running one), the answered ones are whole, and the server serves on."""
     import threading
 
     from backends.deploy.launcher import deployment_server
@@ -172,14 +172,14 @@ def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
             finally:
                 client.close()
 
-        threads = [threading.Thread(target=one) for _ in range(6)]
+        threads = [threading.Thread(target=one) for _ in range(8)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=300)
         refused = [r for r in results if isinstance(r, Exception)]
         answered = [r for r in results if not isinstance(r, Exception)]
-        assert len(results) == 6 and refused and len(answered) >= 2, results
+        assert len(results) == 8 and refused and len(answered) >= 2, results
         assert all("Exceeds maximum queue size" in str(e) for e in refused), refused
         assert all(r.image_embeds.shape[0] == r.token_counts.sum() for r in answered)
         client = _client(server)
