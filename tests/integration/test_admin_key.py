@@ -17,7 +17,12 @@ KEY = "kimi-admin=not-a-real-secret"
 
 @pytest.fixture(scope="module")
 def locked_server():
-    with deployment_server(Deployment(), "admin-key", admin_key=KEY) as srv:
+    from backends.deploy.launcher import BUILD
+    from clients import tracing
+
+    trace = BUILD / "trace-admin-key" / "trace.json"
+    tracing.clear(trace)
+    with deployment_server(Deployment(), "admin-key", admin_key=KEY, trace_file=trace) as srv:
         yield srv
 
 
@@ -84,5 +89,26 @@ def test_an_http_client_with_the_key_sends_a_shared_memory_request_after_a_plain
         plain = admin.infer(chat_prompt_ids(1), blobs)
         via_shm = admin.infer(chat_prompt_ids(1), blobs, shm="system", output_capacity=8 << 20)
         np.testing.assert_array_equal(via_shm.image_embeds, plain.image_embeds)
+    finally:
+        admin.close()
+
+
+def test_the_trace_api_needs_the_key_which_the_tracer_sends(locked_server):
+    """Tracing is one of the restricted APIs: a Tracer without the key is refused, one given the admin
+    client's header turns tracing on, and the traced request comes back from the server's file."""
+    from clients.tracing import Tracer
+
+    admin = KimiVisionClient(locked_server.grpc_url, admin_key=KEY)
+    try:
+        with pytest.raises(Exception, match="(?i)restricted|unavailable|403|permission"):
+            Tracer(admin.client, locked_server.trace_file).trace(1)
+        tracer = Tracer(admin.client, locked_server.trace_file, headers=admin._h()["headers"])
+        tracer.trace(1)
+        try:
+            admin.infer(chat_prompt_ids(1), [encode(photo_like(96, 64, seed=4), "PNG")])
+            traced = tracer.read()
+        finally:
+            tracer.stop()
+        assert len(traced) == 1 and traced[0].root.model == "kimi_k25_vision"
     finally:
         admin.close()
