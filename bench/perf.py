@@ -30,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import serialize_byte_tensor
 
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
@@ -112,7 +114,7 @@ def write_input_data(path: Path, images: list[bytes], *, media_frames: bool = Fa
     (each element a 4-byte little-endian length followed by its bytes). media_frames=True also sends
     the optional MEDIA_FRAMES as zeros (every entry a still image: the same request as without it),
     because perf_analyzer's shared-memory mode refuses a model input that has no data."""
-    serialized = b"".join(len(b).to_bytes(4, "little") + b for b in images)
+    serialized = serialize_byte_tensor(np.array(list(images), dtype=np.object_)).item()  # tritonclient's layout
     ids = chat_prompt_ids(len(images))
     request = {
         "INPUT_IDS": {"content": ids.tolist(), "shape": [len(ids)]},

@@ -61,3 +61,24 @@ def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_pa
     with pytest.raises(SystemExit, match="not found"):  # no perf_analyzer
         perf.main(["--mps", "--perf-dir", str(tmp_path / "nowhere"), "--shared-memory", "none"])
     assert started == []
+
+
+def test_perf_analyzers_input_file_carries_the_images_in_the_bytes_layout(tmp_path):
+    """IMAGES as base64 of the serialized BYTES tensor: each element's 4-byte little-endian length, then
+    its bytes; read back here by hand. MEDIA_FRAMES as zeros only when asked for."""
+    import base64
+    import json
+
+    from bench.perf import write_input_data
+
+    images = [b"\xff\xd8first\xff\xd9", b"", b"x" * 300]
+    doc = json.loads(write_input_data(tmp_path / "in.json", images, media_frames=True).read_text())
+    (request,) = doc["data"]
+    raw, got = base64.b64decode(request["IMAGES"]["b64"]), []
+    while raw:
+        n = int.from_bytes(raw[:4], "little")
+        got.append(raw[4:4 + n])
+        raw = raw[4 + n:]
+    assert got == images and request["IMAGES"]["shape"] == [3]
+    assert request["MEDIA_FRAMES"] == {"content": [0, 0, 0], "shape": [3]}
+    assert "MEDIA_FRAMES" not in json.loads(write_input_data(tmp_path / "b.json", images).read_text())["data"][0]
