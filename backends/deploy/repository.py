@@ -201,33 +201,32 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     for name, batch in ((PREPROCESS, 0), (PREPROCESS_BATCHED, dep.max_batch)):
         dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.kind, count=dep.preprocess_instances,
                                     max_batch=batch)
+    # The service's contract: the ensembles' inputs and outputs, and the fused model's.
+    contract_io = (
+        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
+        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
+         _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
+    )
     dicts[ENCODER] = _python_model(
         dep, ENCODER,
         [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3])],
         [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
-    if dep.device == "gpu":
-        dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+    # Each encoder holder: its batching window (the fused model takes no batch dimension, so each of its
+    # executions holds one request: tritonserver 2.51 accepts a dynamic batcher on such a model, for its
+    # queue policy alone).
+    encoders = {ENCODER: dep.batch_delay_us}
     if dep.fused:
-        dicts[FUSED] = _python_model(
-            dep, FUSED,
-            [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
-            [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
-             _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
-            kind=dep.kind, count=dep.encoder_instances, max_batch=0,
-        )
+        dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0)
+        encoders[FUSED] = 0
+    for name, delay_us in encoders.items():
         if dep.device == "gpu":
-            dicts[FUSED]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
-        # Not for batching (it takes no batch dimension, so each execution holds one request): tritonserver
-        # 2.51 accepts a dynamic batcher on such a model, and its queue policy bounds the waiting requests
-        # as moonvit3d's does; beyond it a request is refused ("Exceeds maximum queue size").
-        dicts[FUSED]["dynamic_batching"] = {"max_queue_delay_microseconds": 0,
-                                            "default_queue_policy": {"max_queue_size": dep.max_queue}}
-    # The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
-    # an overloaded server refuses requests with an error instead of computing on zeros.
-    dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,
-                                          "default_queue_policy": {"max_queue_size": dep.max_queue}}
+            dicts[name]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+        # The queue is bounded so that the CUDA pool (sized from it) can never run short under load: an
+        # overloaded server refuses requests ("Exceeds maximum queue size") instead of computing on zeros.
+        dicts[name]["dynamic_batching"] = {"max_queue_delay_microseconds": delay_us,
+                                           "default_queue_policy": {"max_queue_size": dep.max_queue}}
 
     def steps(placeholder: str, preprocess: str) -> list[dict]:
         # Preprocessing first: it checks the prompt's 1:1 rule before reading any image, so a bad request
@@ -256,13 +255,8 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
             "name": name,
             "platform": "ensemble",
             "max_batch_size": batch,
-            "input": [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
-            "output": [
-                _tensor(EXPANDED_IDS, "TYPE_INT64", [-1]),
-                _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
-                _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]),
-                _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1]),
-            ],
+            "input": contract_io[0],
+            "output": contract_io[1],
             "ensemble_scheduling": {"step": steps(*parts)},
         }
     return {name: json_format.ParseDict(d, mc.ModelConfig()) for name, d in dicts.items()}

@@ -8,6 +8,7 @@ host numpy arrays, and empty tensors (whose DLPack export fails in the 2.51 stub
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -226,6 +227,18 @@ def _out_dtype(config: dict, tensor: str) -> torch.dtype:
     raise KeyError(tensor)
 
 
+@contextlib.contextmanager
+def _decodes_counted(metrics: ModelMetrics, pre):
+    """Counts the images `pre` (a Preprocessor) decodes inside the block, by path and reason, also when
+    the block raises (a request that fails after some of its images were decoded)."""
+    before = dict(pre.decode_stats)
+    try:
+        yield
+    finally:
+        after = pre.decode_stats
+        metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
+
+
 class PreprocessModel(_Adapter):
     name = "kimi_preprocess"
 
@@ -238,16 +251,12 @@ class PreprocessModel(_Adapter):
         counts, frames = inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True), inputs.numpy(MEDIA_FRAMES, optional=True)
         input_ids = inputs.numpy(INPUT_IDS, optional=True)
         phases.mark("read inputs")
-        before = dict(self.step.pre.decode_stats)
-        try:
+        with _decodes_counted(self.metrics, self.step.pre):
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
             out = self.step(images, counts, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
                             input_ids=input_ids)
-        finally:
-            after = self.step.pre.decode_stats
-            self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
         self.metrics.preprocessed(len(images), int(out[PIXEL_VALUES].shape[0]))
         return out
 
@@ -275,13 +284,9 @@ class FusedModel(_Adapter):
         # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS the encoder does not run.
         embeds = IMAGE_EMBEDS in inputs.request.requested_output_names()
         phases.mark("read inputs")
-        before = dict(self.step.pre.decode_stats)
-        try:
+        with _decodes_counted(self.metrics, self.step.pre):
             out = self.step(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
                             cancelled_now=inputs.request.is_cancelled, embeds=embeds)
-        finally:
-            after = self.step.pre.decode_stats
-            self.metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
         self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
         return out
 
