@@ -223,7 +223,10 @@ class EncoderStep:
             return results
         try:
             embeds = self._forward([requests[i] for i in good])
-        except Exception:  # noqa: BLE001 - isolate the failure to the request that caused it
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to the request that caused it
+            if len(good) == 1:  # nothing to isolate: running it again would only fail again
+                results[good[0]] = exc
+                return results
             log.exception("joint encoder forward failed; retrying requests one by one")
             for i in good:
                 try:
@@ -268,9 +271,10 @@ class FusedStep:
     """
 
     def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0):
-        self.cfg, self.limits = cfg, limits
+        self.cfg = cfg
         # Pixels in the encoder's dtype, as kimi_preprocess hands them to moonvit3d in the same deployment.
-        self.pre = Preprocessor(cfg.media, limits, device=model.device, out_dtype=model.dtype)
+        self.preprocess = PreprocessStep(cfg, limits, device=model.device, out_dtype=model.dtype)
+        self.pre = self.preprocess.pre  # its Preprocessor (the adapter counts its decodes)
         self.encoder = EncoderStep(model, cuda_graphs=cuda_graphs)
 
     def cached_bytes(self) -> int:
@@ -283,12 +287,10 @@ class FusedStep:
         True raises RequestCancelled. `embeds` False: IMAGE_EMBEDS is not wanted and the encoder does not
         run; the images are still decoded, so that a file the ensemble refuses is refused here too
         (the ensemble runs kimi_preprocess for every subset of its outputs)."""
-        ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
-        phases.mark("prompt check")
-        pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
-        counts = [m.plan.num_tokens for m in plans]
-        out = {EXPANDED_IDS: expand_placeholders(ids, self.cfg.tokens.media_pad, counts), GRID_THWS: grid_thws,
-               IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
+        # kimi_preprocess's step: the prompt checked before any image is read, then the images.
+        out = self.preprocess(images, media_frames=media_frames, cancelled=cancelled, input_ids=input_ids)
+        pixel_values, grid_thws = out.pop(PIXEL_VALUES), out[GRID_THWS]
+        out[EXPANDED_IDS] = expand_placeholders(input_ids, self.cfg.tokens.media_pad, out[IMAGE_TOKEN_COUNTS].tolist())
         phases.mark("expand ids")
         if not embeds:
             return out
