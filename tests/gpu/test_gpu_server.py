@@ -90,9 +90,10 @@ def test_the_fused_model_gives_the_ensembles_bits_on_the_gpu(gpu_server):
     """kimi_k25_vision_fused runs the same kernels in one process: the same bits as the ensemble, one
     request at a time, call for call. The three images (18,756 patches, the 3000x2000 JPEG on the GPU
     decoder) run eagerly on both sides, above the encoder's CUDA-graph limit of 16,384 patches. Two small
-    images that no other test sends (a JPEG on the GPU decoder and a PNG) are captured at their second
-    sighting and replayed after, on both sides alike (that the fused model's GPU config keeps graphs is
-    tests/unit/test_repository_configs.py's to check). And into a CUDA shared-memory region too."""
+    images that no other test sends (a JPEG on the GPU decoder and a PNG) go four times through each, so
+    that both would capture and replay a graph; this test does not observe that they did (that the fused
+    model's GPU config keeps graphs is tests/unit/test_repository_configs.py's to check). And into a CUDA
+    shared-memory region too."""
     small = [encode(photo_like(336, 252, seed=11), "JPEG", quality=85), encode(photo_like(196, 140, seed=12), "PNG")]
     ensemble = KimiVisionClient(gpu_server.grpc_url)
     fused = KimiVisionClient(gpu_server.grpc_url, model="kimi_k25_vision_fused")

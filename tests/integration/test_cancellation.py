@@ -60,7 +60,8 @@ def test_the_fused_model_stops_a_request_cancelled_by_its_deadline(server, heavy
     """kimi_k25_vision_fused is asked directly (no ensemble between): the deadline passes while it
     preprocesses, its check between images stops the request (or, had preprocessing ended first, the
     one before the encoder), and its encoder never runs for it."""
-    from test_fused_model import FUSED, forward_seconds_after, fused_sample
+    from contract import FUSED
+    from test_fused_model import forward_seconds_after, fused_sample
 
     before = settled(lambda: _cancelled(server, FUSED))
     steps = settled(lambda: fused_sample(server, "kimi_vision_step_seconds_count"))

@@ -13,9 +13,9 @@ from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import model_of, scrape, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
+from contract import FUSED
 from server_state import restarts as server_restarts
 
-FUSED = "kimi_k25_vision_fused"
 MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched",
           FUSED]
 

@@ -11,10 +11,10 @@ from backends.preprocess import Preprocessor
 from backends.weights.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
+from contract import FUSED
 from server_state import eventually, inference_count, settled
 from test_ensemble_server import expected, images
 
-FUSED = "kimi_k25_vision_fused"
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +152,8 @@ def test_the_cli_asks_the_fused_model_by_name(server, tmp_path, capsys):
 
 def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
     """Its own server with room for one waiting request: of eight heavy requests sent at once, some are
-    refused with tritonserver's queue error (how many the server takes in beside the one waiting is its
-    own business: at least the running one), the answered ones are whole, and the server serves on."""
+    refused with tritonserver's queue error, at least the running one and the waiting one are answered
+    (how many more the server takes in is its own business), whole, and the server serves on."""
     import threading
 
     from backends.deploy.launcher import deployment_server

@@ -102,11 +102,23 @@ def test_the_adapter_asks_the_server_directly_before_the_encoder(monkeypatch):
     import importlib
     import sys
     import types
-    from types import SimpleNamespace
 
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    monkeypatch.delitem(sys.modules, "backends.serving.triton_models", raising=False)
-    triton_models = importlib.import_module("backends.serving.triton_models")
+    kept = sys.modules.pop("backends.serving.triton_models", None)
+    try:
+        triton_models = importlib.import_module("backends.serving.triton_models")
+        # the throttle's window far longer than the test: its first question is never asked
+        monkeypatch.setattr(triton_models, "CANCEL_CHECK_S", 3600.0)
+        _adapter_wiring(triton_models)
+    finally:  # the module imported against the stand-in goes; whatever was there before comes back
+        sys.modules.pop("backends.serving.triton_models", None)
+        if kept is not None:
+            sys.modules["backends.serving.triton_models"] = kept
+
+
+def _adapter_wiring(triton_models):
+    from types import SimpleNamespace
+
     got = {}
 
     class Step:
@@ -135,4 +147,3 @@ def test_the_adapter_asks_the_server_directly_before_the_encoder(monkeypatch):
     assert got["embeds"] is True
     assert got["cancelled"]() is False and Request.asked == 0  # throttled: not asked so soon
     assert got["cancelled_now"]() is True and Request.asked == 1  # the server is asked
-    monkeypatch.delitem(sys.modules, "backends.serving.triton_models")  # not kept with the stand-in module
