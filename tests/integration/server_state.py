@@ -11,6 +11,8 @@ import warnings
 import pytest
 import tritonclient.grpc as grpcclient
 
+from backends.deploy.supervisor import scrape
+
 # The supervisor notices a dead server within its poll (0.5 s); a restart takes seconds on an idle machine,
 # longer on 2 busy cores; more than READY_S is a server that does not come back.
 NOTICE_S = 5.0
@@ -31,6 +33,21 @@ def counts(server, model: str) -> tuple[int, int]:
 
 def inference_count(server, model: str) -> int:
     return counts(server, model)[0]
+
+
+def metric_sum(server, name: str, **labels) -> float:
+    """A metric family on the server's metrics port, summed over the series whose labels include `labels`,
+    as it is now (read it with eventually/settled: our metrics arrive late)."""
+    return sum(v for n, got, v in scrape(server.metrics_url)
+               if n == name and all(got.get(k) == want for k, want in labels.items()))
+
+
+def phase_seconds_after(server, model: str, phase: str, steps: float) -> float:
+    """`model`'s time in `phase` (KIMI_PHASES=1), read once its step count has reached `steps`: a stub's
+    sender thread sends a request's phases before its step time, so by then they are in."""
+    eventually(lambda: metric_sum(server, "kimi_vision_step_seconds_count", model=model), lambda n: n >= steps,
+               timeout_s=30)
+    return metric_sum(server, "kimi_vision_phase_seconds_total", model=model, phase=phase)
 
 
 def eventually(read, check, timeout_s: float = 10.0, every_s: float = 0.05):

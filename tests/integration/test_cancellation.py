@@ -6,10 +6,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from server_state import eventually, settled, upstream_crash_tolerated
+from server_state import eventually, metric_sum, phase_seconds_after, settled, upstream_crash_tolerated
 
 HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
 
@@ -20,9 +19,7 @@ def heavy():
 
 
 def _cancelled(server, model) -> float:
-    samples = scrape(server.metrics_url)
-    return sum(v for n, l, v in samples if n == "kimi_vision_request_failures_total"
-               and l.get("model") == model and l.get("kind") == "cancelled")
+    return metric_sum(server, "kimi_vision_request_failures_total", model=model, kind="cancelled")
 
 
 def test_a_request_cancelled_by_its_deadline_skips_the_encoder(server, heavy):
@@ -61,18 +58,17 @@ def test_the_fused_model_stops_a_request_cancelled_by_its_deadline(server, heavy
     preprocesses, its check between images stops the request (or, had preprocessing ended first, the
     one before the encoder), and its encoder never runs for it."""
     from contract import FUSED
-    from test_fused_model import forward_seconds_after, fused_sample
 
     before = settled(lambda: _cancelled(server, FUSED))
-    steps = settled(lambda: fused_sample(server, "kimi_vision_step_seconds_count"))
-    forward = forward_seconds_after(server, steps)
+    steps = settled(lambda: metric_sum(server, "kimi_vision_step_seconds_count", model=FUSED))
+    forward = phase_seconds_after(server, FUSED, "forward launched", steps)
     with upstream_crash_tolerated(server):
         client = KimiVisionClient(server.grpc_url, model=FUSED)
         try:
             with pytest.raises(InferenceServerException, match="Deadline"):
                 client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.3)
             assert eventually(lambda: _cancelled(server, FUSED), lambda v: v == before + 1, timeout_s=30) == before + 1
-            assert forward_seconds_after(server, steps + 1) == forward  # the heavy request's encoder never ran
+            assert phase_seconds_after(server, FUSED, "forward launched", steps + 1) == forward  # the heavy request's encoder never ran
             small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
             assert small.image_embeds.shape[0] == small.token_counts.sum()
         finally:

@@ -6,13 +6,12 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from backends.config import DEMO_CONFIG
-from backends.deploy.supervisor import scrape
 from backends.preprocess import Preprocessor
 from backends.weights.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 from contract import FUSED
-from server_state import eventually, inference_count, settled
+from server_state import eventually, inference_count, metric_sum, phase_seconds_after, settled
 from test_ensemble_server import expected, images
 
 
@@ -58,17 +57,12 @@ def test_it_is_one_model_the_ensembles_steps_do_not_run(server, reference):
     assert [inference_count(server, m) for m in steps] == before
 
 
-def fused_sample(server, name: str, **labels) -> float:
-    """One of the fused model's own metrics (summed over its other labels) as the server shows it now."""
-    return sum(v for n, got, v in scrape(server.metrics_url)
-               if n == name and got.get("model") == FUSED and all(got.get(k) == v_ for k, v_ in labels.items()))
+def fused_steps(server) -> float:
+    return metric_sum(server, "kimi_vision_step_seconds_count", model=FUSED)
 
 
 def forward_seconds_after(server, steps: float) -> float:
-    """The fused model's "forward launched" phase, read once its step count has reached `steps`: the
-    stub's sender thread sends a request's phases before its step time, so by then they are in."""
-    eventually(lambda: fused_sample(server, "kimi_vision_step_seconds_count"), lambda n: n >= steps, timeout_s=30)
-    return fused_sample(server, "kimi_vision_phase_seconds_total", phase="forward launched")
+    return phase_seconds_after(server, FUSED, "forward launched", steps)
 
 
 def test_without_embeds_the_encoder_does_not_run(server, reference):
@@ -77,7 +71,7 @@ def test_without_embeds_the_encoder_does_not_run(server, reference):
     blobs, ids, (counts_, expanded, grids, _) = reference
     client = _client(server)
     client.infer(ids, blobs)  # the phase's series exists from here on
-    steps = settled(lambda: fused_sample(server, "kimi_vision_step_seconds_count"))
+    steps = settled(lambda: fused_steps(server))
     before = forward_seconds_after(server, steps)
     r = client.infer(ids, blobs, outputs=["EXPANDED_IDS", "IMAGE_TOKEN_COUNTS", "GRID_THWS"])
     assert r.image_embeds is None and r.expanded_ids.tolist() == expanded and r.token_counts.tolist() == counts_
