@@ -34,6 +34,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import serialize_byte_tensor
 
+from backends.config import env_flag
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
 from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, FUSED, PLACEHOLDER
@@ -176,6 +177,10 @@ def main(argv=None) -> int:
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="own server: per GPU; 0 = the default (KIMI_PREPROCESS_INSTANCES, as the launcher reads it)")
+    ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction,
+                    default=env_flag("KIMI_FUSED_PIPELINE", True),
+                    help="own server: kimi_k25_vision_fused preprocesses a request while its encoder runs the previous "
+                         "one (default on, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
@@ -228,7 +233,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     if served:
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances, fused="fused" in ensembles)
+                     preprocess_instances=args.preprocess_instances, fused="fused" in ensembles,
+                     fused_pipeline=args.fused_pipeline)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -295,7 +301,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
                                   f"kimi_preprocess {dep.preprocess_instances}"
-                                  + (f", {FUSED} {dep.encoder_instances}" if dep.fused else ""))
+                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'})"
+                                     if dep.fused else ""))
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),

@@ -472,12 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         mps_default = env_flag("KIMI_MPS", False)
         fused_default = env_flag("KIMI_FUSED", False)
+        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", True)
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=fused_default,
                     help="also serve kimi_k25_vision_fused: the ensemble's contract from one model whose "
                          "instances run the three steps in one process, for the lowest latency one request at a "
                          "time (README: One model or the ensemble); it loads its own copy of the weights")
+    ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction, default=pipeline_default,
+                    help="with --fused: preprocess a request while the encoder runs the previous one, in the fused "
+                         "model's one process (default on; README: One model or the ensemble)")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
                     default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
@@ -531,7 +535,7 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
-                     fused=args.fused)
+                     fused=args.fused, fused_pipeline=args.fused_pipeline)
     daemon = None
     try:
         daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))

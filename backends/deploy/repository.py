@@ -55,6 +55,9 @@ class Deployment:
     # Also serve kimi_k25_vision_fused: the ensemble's contract from one model whose instances
     # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.
     fused: bool = False
+    # The fused model's two-stage pipeline (backends/serving/pipeline.py): a request's preprocessing runs
+    # beside the previous request's encoder forward, in one process; off, one request at a time.
+    fused_pipeline: bool = True
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -219,6 +222,7 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     encoders = {ENCODER: dep.batch_delay_us}
     if dep.fused:
         dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0)
+        dicts[FUSED]["parameters"]["pipeline"] = {"string_value": "yes" if dep.fused_pipeline else "no"}
         encoders[FUSED] = 0
     for name, delay_us in encoders.items():
         if dep.device == "gpu":

@@ -43,8 +43,13 @@ class _Captured:
 class GraphedEncoder:
     """Callable like the model: (pixel_values, grid_thws) -> embeddings; eager where graphs do not apply."""
 
-    def __init__(self, model, *, max_graphs: int = 16, max_patches: int = 16384):
+    def __init__(self, model, *, max_graphs: int = 16, max_patches: int = 16384, capture_lock=None):
         self.model = model
+        # Where other threads of the process run GPU work of their own (the fused model's pipeline,
+        # backends/serving/pipeline.py), they hold `capture_lock` while they do; a capture takes it, and
+        # is then captured in thread_local mode, so that what those threads do outside the lock (reading
+        # inputs, the server's own copies) cannot invalidate it.
+        self.capture_lock = capture_lock
         self.max_graphs = max_graphs
         self.max_patches = max_patches
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -77,7 +82,11 @@ class GraphedEncoder:
             if not self.seen[key]:  # its capture failed: eager, without retrying on every request
                 return self.model(pixel_values, grids)
             try:
-                captured = self._capture(pixel_values, grids)
+                if self.capture_lock is None:
+                    captured = self._capture(pixel_values, grids)
+                else:
+                    with self.capture_lock:
+                        captured = self._capture(pixel_values, grids)
             except Exception:  # noqa: BLE001 - e.g. out of memory in the graph pool; eager still works
                 log.exception("CUDA graph capture failed for grids %s; running them eagerly", grids)
                 self.seen[key] = False
@@ -119,7 +128,8 @@ class GraphedEncoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool):
+        mode = "global" if self.capture_lock is None else "thread_local"
+        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             out = model(static, meta)
         captured = _Captured(graph, static, out, meta, tables)
         self.graphs[tuple(grids)] = captured

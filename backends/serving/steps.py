@@ -165,7 +165,7 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0):
+    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None):
         self.model = model
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
@@ -173,7 +173,7 @@ class EncoderStep:
         if cuda_graphs > 0 and model.device.type == "cuda":
             from backends.encoder.graphs import GraphedEncoder
 
-            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs)
+            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs, capture_lock=capture_lock)
         self.merge_tokens = model.cfg.merge_tokens
         self._cached_bytes, self._cached_key = 0, None
 
@@ -270,12 +270,12 @@ class FusedStep:
     in the ensemble, whose steps are separate instances (docs/triton_runtime.md#one-model-or-the-ensemble).
     """
 
-    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0):
+    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0, capture_lock=None):
         self.cfg = cfg
         # Pixels in the encoder's dtype, as kimi_preprocess hands them to moonvit3d in the same deployment.
         self.preprocess = PreprocessStep(cfg, limits, device=model.device, out_dtype=model.dtype)
         self.pre = self.preprocess.pre  # its Preprocessor (the adapter counts its decodes)
-        self.encoder = EncoderStep(model, cuda_graphs=cuda_graphs)
+        self.encoder = EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock)
 
     def cached_bytes(self) -> int:
         return self.encoder.cached_bytes()
@@ -287,18 +287,28 @@ class FusedStep:
         True raises RequestCancelled. `embeds` False: IMAGE_EMBEDS is not wanted and the encoder does not
         run; the images are still decoded, so that a file the ensemble refuses is refused here too
         (the ensemble runs kimi_preprocess for every subset of its outputs)."""
+        out = self.prepare(input_ids, images, media_frames, cancelled)
+        if not embeds:
+            out.pop(PIXEL_VALUES)
+            return out
+        return self.encode(out, cancelled_now)
+
+    def prepare(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None) -> dict:
+        """Everything before the encoder: the outputs but IMAGE_EMBEDS, and PIXEL_VALUES for `encode`."""
         # kimi_preprocess's step: the prompt checked before any image is read, then the images.
         out = self.preprocess(images, media_frames=media_frames, cancelled=cancelled, input_ids=input_ids)
-        pixel_values, grid_thws = out.pop(PIXEL_VALUES), out[GRID_THWS]
         out[EXPANDED_IDS] = expand_placeholders(input_ids, self.cfg.tokens.media_pad, out[IMAGE_TOKEN_COUNTS].tolist())
         phases.mark("expand ids")
-        if not embeds:
-            return out
+        return out
+
+    def encode(self, out: dict, cancelled_now=None) -> dict:
+        """`prepare`'s outputs with PIXEL_VALUES replaced by IMAGE_EMBEDS (launched, not waited for, on CUDA)."""
         # A client that gave up meanwhile (a deadline) costs no encoder time.
         if cancelled_now is not None and cancelled_now():
             raise RequestCancelled("cancelled by the client before the encoder ran")
         phases.mark("cancel check before the encoder")
-        (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, grid_thws)])
+        pixel_values = out.pop(PIXEL_VALUES)
+        (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
         if isinstance(result, Exception):
             raise result
         out[IMAGE_EMBEDS] = result

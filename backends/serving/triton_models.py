@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends import phases
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
+from backends.serving.pipeline import Pipeline, Streams
 from backends.serving.profiling import ExecuteProfiler
 from contract import (FORWARD_SUFFIX, FUSED, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
                       PIXEL_VALUES)
@@ -269,26 +272,140 @@ def _load_encoder(settings: ModelSettings, config: dict):
     return model
 
 
+@dataclass
+class _FusedJob:
+    """One request between the fused model's two stages (backends/serving/pipeline.py)."""
+
+    inputs: _Inputs
+    sender: object  # the request's response sender: its one answer goes out through it
+    out: dict  # FusedStep.prepare's outputs, PIXEL_VALUES still in
+    ready: object  # CUDA event: the preprocessing that wrote PIXEL_VALUES (None on CPU)
+    t0: float  # when execute took the request: the step time runs until the answer is sent
+    phases: dict
+
+
 class FusedModel(_Adapter):
-    """kimi_k25_vision_fused: the ensemble's contract, its three steps in this one instance (FusedStep)."""
+    """kimi_k25_vision_fused: the ensemble's contract, its three steps in this one instance (FusedStep).
+
+    With its pipeline on (parameter `pipeline`), `execute` preprocesses a request on one CUDA stream and
+    hands it to a worker thread that runs the encoder on another and answers through the request's
+    response sender, so that the next request's preprocessing runs beside this one's forward
+    (backends/serving/pipeline.py). Off, each request is answered from `execute`."""
 
     name = FUSED
 
     def setup(self):
+        self.pipelined = self.config.get("parameters", {}).get("pipeline", {}).get("string_value", "no") == "yes"
+        # Graph captures wait for the preprocessing thread's GPU work and keep it out meanwhile.
+        self.gpu_lock = threading.Lock() if self.pipelined else contextlib.nullcontext()
         self.step = FusedStep(self.settings.vision, _load_encoder(self.settings, self.config), self.settings.limits,
-                              cuda_graphs=self.settings.cuda_graphs)
+                              cuda_graphs=self.settings.cuda_graphs,
+                              capture_lock=self.gpu_lock if self.pipelined else None)
+        if self.pipelined:
+            self.streams = Streams(torch.device(self.settings.device))
+            self.pipeline = Pipeline(self._launch, self._finish, context=self.streams.encoding,
+                                     name=f"{self.name}-encoder")
 
-    def respond(self, inputs: _Inputs):
+    def _prepare(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
         ids, frames = inputs.numpy(INPUT_IDS), inputs.numpy(MEDIA_FRAMES, optional=True)
         # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS the encoder does not run.
         embeds = IMAGE_EMBEDS in inputs.request.requested_output_names()
         phases.mark("read inputs")
         with _decodes_counted(self.metrics, self.step.pre):
-            out = self.step(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
-                            cancelled_now=inputs.request.is_cancelled, embeds=embeds)
+            out = self.step.prepare(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S))
         self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
-        return out
+        return out, embeds
+
+    def respond(self, inputs: _Inputs):
+        out, embeds = self._prepare(inputs)
+        if not embeds:
+            out.pop(PIXEL_VALUES)
+            return out
+        return self.step.encode(out, cancelled_now=inputs.request.is_cancelled)
+
+    def _execute(self, requests):
+        if not self.pipelined:
+            return super()._execute(requests)
+        return [self._accept(request) for request in requests]
+
+    def _accept(self, request):
+        """The first stage: the request preprocessed, then handed to the worker (None: answered later)
+        or answered now (an error, or no IMAGE_EMBEDS wanted)."""
+        t0 = time.perf_counter()
+        phases.begin()
+        try:
+            with self.gpu_lock, self.streams.preprocessing():
+                inputs = self.inputs(request)
+                out, embeds = self._prepare(inputs)
+                ready = self.streams.record("pre") if embeds else None
+            if embeds:
+                job = _FusedJob(inputs, request.get_response_sender(), out, ready, t0, {})
+                job.phases = phases.end()
+                self.pipeline.submit(job)  # blocks while the worker is a request behind
+                return None
+            out.pop(PIXEL_VALUES)
+            response = self._response(inputs, out)
+            phases.mark("output tensors")
+        except Exception as exc:  # noqa: BLE001 - one response per request, always
+            response = self.error_response(exc)
+            phases.mark("failed")
+        self._count(t0, phases.end())
+        return response
+
+    def _launch(self, job: _FusedJob):
+        """The second stage, on the worker thread with the encoder's stream current: the forward
+        queued behind the previous one's, not waited for."""
+        phases.begin()
+        try:
+            self.streams.hand_over(job.ready, [job.out[PIXEL_VALUES]])
+            phases.mark("hand-over")
+            out = self.step.encode(job.out, cancelled_now=job.sender.is_cancelled)
+            return out, self.streams.record("encoder")
+        finally:
+            _add_phases(job.phases, phases.end())
+
+    def _finish(self, job: _FusedJob, launched, error: BaseException | None):
+        """The answer, once the forward has run: through the response sender, with the FINAL flag."""
+        phases.begin()
+        try:
+            if error is not None:
+                raise error
+            out, done = launched
+            self.streams.wait(done)
+            phases.mark("encoder wait")
+            response = self._response(job.inputs, out)
+            phases.mark("output tensors")
+        except Exception as exc:  # noqa: BLE001 - this request alone
+            response = self.error_response(exc)
+        try:
+            job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # noqa: BLE001
+            # The server answers the client itself when it cannot place the outputs; a send that fails
+            # before reaching it closes the sender anyway (python_backend 2.51), so this is logged only.
+            log.error("%s: sending a response failed: %s", self.name, exc)
+        phases.mark("send")
+        self._count(job.t0, _add_phases(job.phases, phases.end()))
+
+    def _response(self, inputs: _Inputs, out: dict):
+        outputs = inputs.shape_outputs(out)
+        return pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()])
+
+    def _count(self, t0: float, seconds: dict) -> None:
+        self.metrics.phases(seconds)
+        self.metrics.step_time(time.perf_counter() - t0)
+
+    def finalize(self):
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            pipeline.close()  # every request already handed over is answered before the model unloads
+        super().finalize()
+
+
+def _add_phases(into: dict, more: dict) -> dict:
+    for name, seconds in more.items():
+        into[name] = into.get(name, 0.0) + seconds
+    return into
 
 
 class EncoderModel(_Adapter):

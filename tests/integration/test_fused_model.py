@@ -180,3 +180,24 @@ def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
         r = client.infer(chat_prompt_ids(1), blobs[:1])
         client.close()
         assert r.image_embeds.shape[0] == r.token_counts.sum()
+
+
+def test_without_its_pipeline_the_same_answers_one_request_at_a_time(server, reference):
+    """Deployment(fused_pipeline=False): every request answered from execute, none through the response
+    sender; its answers are the pipelined model's bits (the module's server has the pipeline on)."""
+    from backends.deploy.launcher import deployment_server
+    from backends.deploy.repository import Deployment
+
+    blobs, ids, (counts_, expanded, grids, embeds) = reference
+    piped = _client(server)
+    p = piped.infer(ids, blobs)
+    piped.close()
+    with deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=False), "fused-inline") as inline:
+        client = _client(inline)
+        r = client.infer(ids, blobs)
+        with pytest.raises(InferenceServerException, match="placeholder"):
+            client.infer(chat_prompt_ids(1), blobs)  # a bad one, and the next is served
+        again = client.infer(ids, blobs)
+        client.close()
+    assert r.expanded_ids.tolist() == expanded and r.grid_thws.tolist() == grids.tolist()
+    assert np.array_equal(r.image_embeds, p.image_embeds) and np.array_equal(again.image_embeds, p.image_embeds)

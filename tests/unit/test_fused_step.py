@@ -15,7 +15,7 @@ from backends.preprocess import Preprocessor
 from backends.serving.steps import FusedStep
 from backends.weights.seeded import seeded_model
 from clients.samples import encode, photo_like, text_card
-from contract import EXPANDED_IDS, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, MEDIA_PAD, chat_prompt_ids
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, MEDIA_PAD, PIXEL_VALUES, chat_prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,20 @@ def test_the_answer_equals_the_pieces(step):
     assert out[IMAGE_TOKEN_COUNTS].tolist() == counts and out[GRID_THWS].tolist() == grids.tolist()
     assert out[EXPANDED_IDS].tolist() == loop_expand(ids, counts)
     assert torch.equal(out[IMAGE_EMBEDS], embeds)
+
+
+def test_prepare_then_encode_is_the_whole_step(step):
+    """The pipeline's two stages (prepare on the caller's thread, encode on the worker's) give the answer
+    of the step called whole."""
+    images, ids = blobs(), chat_prompt_ids(2, text_ids=[7, 8])
+    whole = step(np.asarray(ids), images)
+    prepared = step.prepare(np.asarray(ids), images)
+    assert PIXEL_VALUES in prepared and IMAGE_EMBEDS not in prepared
+    split = step.encode(prepared)
+    assert PIXEL_VALUES not in split and sorted(split) == sorted(whole)
+    for name in (EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS):
+        assert np.array_equal(split[name], whole[name]), name
+    assert torch.equal(split[IMAGE_EMBEDS], whole[IMAGE_EMBEDS])
 
 
 def test_without_embeds_the_encoder_does_not_run_and_the_rest_is_the_same(step, monkeypatch):
@@ -124,9 +138,13 @@ def _adapter_wiring(triton_models):
     class Step:
         pre = SimpleNamespace(decode_stats={})
 
-        def __call__(self, *args, **kwargs):
-            got.update(kwargs)
-            return {GRID_THWS: np.zeros((0, 3), np.int64)}
+        def prepare(self, ids, images, frames, cancelled=None):
+            got["cancelled"] = cancelled
+            return {GRID_THWS: np.zeros((0, 3), np.int64), PIXEL_VALUES: torch.zeros(0, 3, 14, 14)}
+
+        def encode(self, out, cancelled_now=None):
+            got["cancelled_now"] = cancelled_now
+            return out
 
     class Request:
         asked = 0
@@ -144,6 +162,6 @@ def _adapter_wiring(triton_models):
     inputs = SimpleNamespace(request=Request(), bytes_list=lambda name: [],
                              numpy=lambda name, optional=False: np.array([1, 2]) if name == "INPUT_IDS" else None)
     model.respond(inputs)
-    assert got["embeds"] is True
+    assert "cancelled_now" in got  # IMAGE_EMBEDS asked for: the encoder's half runs
     assert got["cancelled"]() is False and Request.asked == 0  # throttled: not asked so soon
     assert got["cancelled_now"]() is True and Request.asked == 1  # the server is asked

@@ -1,0 +1,156 @@
+"""Two stages in one process: a request's preprocessing on the caller's thread, its encoder forward
+and its answer on a worker thread, so that under load the next request is preprocessed while the
+encoder runs this one (kimi_k25_vision_fused with its pipeline on; docs/triton_runtime.md#the-fused-models-pipeline).
+
+Why one process: preprocessing kernels of another process (kimi_preprocess in the ensemble) take turns
+with the encoder's on the GPU unless CUDA MPS is on; kernels of two streams of one process may run at
+the same time. Why a worker thread: tritonserver gives a Python model instance its next request only
+when `execute` returns, and an `execute` that returns its responses keeps the instance busy until
+their GPU outputs are copied out; a request answered later through its response sender frees it at
+once.
+
+Triton-free: `launch` and `finish` are the adapter's; this module only orders them. A job launched is
+finished exactly once, in the order submitted; the worker launches job k before it finishes job k-1,
+so that the GPU has the next forward queued while the previous answer goes out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class Pipeline:
+    """`submit(job)` hands a job to the worker; the worker calls `launch(job)` (its result is the
+    handle) and later `finish(job, handle, error)`, `error` being what `launch` raised (handle None).
+    `finish` answers the request; what it raises is logged, never lost in a dead thread.
+
+    `depth` jobs may wait for the worker beyond the one it has launched; `submit` blocks while they
+    do, so the caller (Triton's execute) stops taking requests and they queue in the server, where its
+    queue policy bounds them. `context()` is entered once on the worker thread, around its loop (its
+    CUDA device and stream)."""
+
+    def __init__(self, launch: Callable[[Any], Any], finish: Callable[[Any, Any, BaseException | None], None], *,
+                 depth: int = 1, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 name: str = "pipeline"):
+        self._launch, self._finish, self._context = launch, finish, context
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        if self._closed:
+            raise RuntimeError("the pipeline is closed")
+        while True:
+            try:
+                self._queue.put(job, timeout=1.0)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():  # never reached: the loop catches everything; never hang on it
+                    raise RuntimeError("the pipeline's worker thread is gone") from None
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Finishes every job already submitted, then stops the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        with self._context():
+            pending = None  # (job, handle, error): launched, not yet finished
+            while True:
+                try:
+                    job = self._queue.get(block=pending is None)
+                except queue.Empty:  # nothing to launch meanwhile: answer the pending job now
+                    self._finish_one(pending)
+                    pending = None
+                    continue
+                if job is _STOP:
+                    if pending is not None:
+                        self._finish_one(pending)
+                    return
+                launched = self._launch_one(job)
+                if pending is not None:
+                    self._finish_one(pending)
+                pending = launched
+
+    def _launch_one(self, job):
+        try:
+            return job, self._launch(job), None
+        except BaseException as exc:  # noqa: BLE001 - the job's own failure, answered by finish
+            return job, None, exc
+
+    def _finish_one(self, launched) -> None:
+        try:
+            self._finish(*launched)
+        except BaseException:  # noqa: BLE001 - the worker must live on for the next jobs
+            log.exception("answering a request failed")
+
+
+class Streams:
+    """The CUDA streams of the two stages, and the events that order them; every method is a no-op
+    on the CPU, where the two stages need no ordering beyond the job hand-over.
+
+    Both streams are non-blocking (torch creates its streams so): the Python backend's own copies of
+    outputs, on the legacy default stream, then wait for neither stage's later work."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pre = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.encoder = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def _on(self, stream) -> contextlib.AbstractContextManager:
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))  # the current device is per thread too
+        stack.enter_context(torch.cuda.stream(stream))
+        return stack
+
+    def preprocessing(self) -> contextlib.AbstractContextManager:
+        """Around the first stage's GPU work (the caller's thread)."""
+        return self._on(self.pre)
+
+    def encoding(self) -> contextlib.AbstractContextManager:
+        """Around the worker's loop."""
+        return self._on(self.encoder)
+
+    def record(self, stream_name: str):
+        """An event marking the work queued so far on the stage's stream (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.pre if stream_name == "pre" else self.encoder)
+        return event
+
+    def hand_over(self, ready, tensors) -> None:
+        """The encoder's stream waits for `ready` (the preprocessing that wrote `tensors`), and the
+        allocator keeps `tensors`' memory from the preprocessing stream until the encoder's work queued
+        so far has read them (record_stream): without it the next request's preprocessing could reuse
+        the memory while the forward still reads it."""
+        if not self.cuda or ready is None:
+            return
+        self.encoder.wait_event(ready)
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(self.encoder)
+
+    @staticmethod
+    def wait(done) -> None:
+        """Blocks (without the GIL) until the work `done` marks has run."""
+        if done is not None:
+            done.synchronize()

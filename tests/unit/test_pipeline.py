@@ -1,0 +1,143 @@
+"""backends.serving.pipeline without a server: every job finished once, in order, the next one launched
+before the previous one is answered; failures stay with their job; a full pipeline holds the caller
+back; close answers what was submitted; the CUDA plumbing is a no-op on the CPU."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from backends.serving.pipeline import Pipeline, Streams
+
+
+class Log:
+    def __init__(self):
+        self.events, self.lock = [], threading.Lock()
+
+    def add(self, *event):
+        with self.lock:
+            self.events.append(event)
+
+
+def test_jobs_are_finished_once_in_order_and_the_next_is_launched_before_the_previous_is_answered():
+    log = Log()
+    gate = threading.Event()
+
+    def launch(job):
+        log.add("launch", job)
+        if job == 0:
+            gate.wait(5)  # holds the worker so that jobs 1 and 2 queue behind job 0
+        return job * 10
+
+    def finish(job, handle, error):
+        log.add("finish", job, handle, error)
+
+    p = Pipeline(launch, finish, depth=2)
+    for job in range(3):
+        p.submit(job)
+    gate.set()
+    p.close()
+    finished = [e[1] for e in log.events if e[0] == "finish"]
+    assert finished == [0, 1, 2]
+    assert all(e[2] == e[1] * 10 and e[3] is None for e in log.events if e[0] == "finish")
+    order = log.events
+    # job 1 launched before job 0 answered; job 2 launched before job 1 answered
+    assert order.index(("launch", 1)) < order.index(("finish", 0, 0, None))
+    assert order.index(("launch", 2)) < order.index(("finish", 1, 10, None))
+
+
+def test_a_lone_job_is_answered_without_waiting_for_another():
+    done = threading.Event()
+    p = Pipeline(lambda job: job, lambda job, handle, error: done.set())
+    p.submit("only")
+    assert done.wait(5)  # not held back until a next job or close
+    p.close()
+
+
+def test_a_failed_launch_reaches_finish_and_the_next_job_is_served():
+    got = []
+
+    def launch(job):
+        if job == "bad":
+            raise ValueError("this one")
+        return job
+
+    p = Pipeline(launch, lambda job, handle, error: got.append((job, handle, error)))
+    for job in ("bad", "good"):
+        p.submit(job)
+    p.close()
+    (bad, bad_handle, bad_error), good = got
+    assert bad == "bad" and bad_handle is None and isinstance(bad_error, ValueError)
+    assert good == ("good", "good", None)
+
+
+def test_a_finish_that_raises_is_logged_and_the_worker_lives_on(caplog):
+    got = []
+
+    def finish(job, handle, error):
+        if job == 0:
+            raise RuntimeError("send failed")
+        got.append(job)
+
+    p = Pipeline(lambda job: job, finish)
+    for job in range(3):
+        p.submit(job)
+    p.close()
+    assert got == [1, 2]
+    assert "answering a request failed" in caplog.text
+
+
+def test_a_full_pipeline_holds_the_caller_until_the_worker_takes_a_job():
+    gate = threading.Event()
+    p = Pipeline(lambda job: gate.wait(5), lambda job, handle, error: None, depth=1)
+    p.submit(0)  # taken by the worker, which then waits at the gate
+    deadline = time.monotonic() + 5
+    while p._queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    p.submit(1)  # waits in the queue (depth 1)
+    third = threading.Thread(target=p.submit, args=(2,))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # held back: the worker is busy and the queue is full
+    gate.set()
+    third.join(5)
+    assert not third.is_alive()
+    p.close()
+
+
+def test_close_answers_what_was_submitted_and_refuses_more():
+    got = []
+    p = Pipeline(lambda job: (time.sleep(0.01), job)[1], lambda job, handle, error: got.append(job), depth=4)
+    for job in range(5):
+        p.submit(job)
+    p.close()
+    assert got == list(range(5))
+    with pytest.raises(RuntimeError, match="closed"):
+        p.submit(5)
+
+
+def test_the_worker_runs_inside_its_context():
+    seen = []
+
+    class Context:
+        def __enter__(self):
+            seen.append(("enter", threading.current_thread().name))
+
+        def __exit__(self, *exc):
+            seen.append(("exit", threading.current_thread().name))
+
+    p = Pipeline(lambda job: seen.append(("launch", threading.current_thread().name)),
+                 lambda job, handle, error: None, context=Context, name="worker-x")
+    p.submit(0)
+    p.close()
+    assert seen == [("enter", "worker-x"), ("launch", "worker-x"), ("exit", "worker-x")]
+
+
+def test_streams_on_the_cpu_do_nothing():
+    s = Streams(torch.device("cpu"))
+    t = torch.zeros(3)
+    with s.preprocessing(), s.encoding():
+        assert s.record("pre") is None
+        s.hand_over(None, [t])
+        s.wait(None)
