@@ -246,7 +246,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     mps_env = daemon.env() if daemon else {}
     server = served or deployment_server(dep, f"perf-{device}", env=mps_env)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
-    rows = []
+    rows, phase_lines = [], []
     t0 = time.monotonic()
     with server:
         # A few requests per ensemble first, so that no measurement window pays for first-call work
@@ -257,6 +257,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             for _ in range(3):
                 client.infer(chat_prompt_ids(len(images)), images)
             client.close()
+        if PHASES_ON:
+            time.sleep(0.6)  # the warm-up's phases in before the first reading
         for model, shm, level in runs:
             csv_path = args.out / f"perf_{device}_{model}_{args.images}_shm-{shm}_c{level}.csv"
             cmd = [str(binary), "-m", model, "-b", "1", "-i", "grpc", "-u", server.grpc_url,
@@ -268,6 +270,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(output_region)]
             print("$", shlex.join(cmd), flush=True)
             counts_before = encoder_counts(server.grpc_url)
+            phases_before = phase_totals(server.metrics_url) if PHASES_ON else None
             try:
                 # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
                 proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
@@ -283,6 +286,10 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": proc.returncode})
                 continue
             counts_after = encoder_counts(server.grpc_url)
+            if phases_before is not None:
+                time.sleep(0.6)  # the stubs send their sums every 0.2 s
+                phase_lines += phase_report(f"{model} shm {shm} c={level}", phases_before,
+                                            phase_totals(server.metrics_url))
             batch = float("nan")
             if counts_before and counts_after and counts_after[1] > counts_before[1]:
                 batch = (counts_after[0] - counts_before[0]) / (counts_after[1] - counts_before[1])
@@ -322,10 +329,51 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         lines.append(f"{head} {rps:9.2f} {len(images) * rps:9.2f} {_ms(row, 'p50 latency'):9.1f} "
                      f"{_ms(row, 'p99 latency'):9.1f} {_ms(row, 'Server Compute Output'):8.1f} "
                      f"{_ms(row, 'Network+Server Send/Recv'):8.1f} {row.get('encoder_batch', float('nan')):9.2f}")
-    text = "\n".join(lines)
+    text = "\n".join(lines + phase_lines)
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
     return 0
+
+
+PHASES_ON = env_flag("KIMI_PHASES", False)  # the server inherits it: its stubs count their phases
+
+
+def phase_totals(metrics_url: str) -> dict[str, dict[str, float]]:
+    """model -> {phase: seconds so far, plus "(steps)": requests counted}, from the server's metrics
+    (kimi_vision_phase_seconds_total, kimi_vision_step_seconds_count; KIMI_PHASES=1). Empty if unreadable."""
+    from backends.deploy.supervisor import scrape
+
+    totals: dict[str, dict[str, float]] = {}
+    try:
+        series = scrape(metrics_url)
+    except Exception:  # noqa: BLE001 - a report line, never a reason to stop
+        return totals
+    for name, labels, value in series:
+        model = labels.get("model", "")
+        if name == "kimi_vision_phase_seconds_total":
+            key = labels.get("phase", "")
+        elif name == "kimi_vision_step_seconds_count":
+            key = "(steps)"
+        else:
+            continue
+        totals.setdefault(model, {})
+        totals[model][key] = totals[model].get(key, 0.0) + value
+    return totals
+
+
+def phase_report(what: str, before: dict, after: dict) -> list[str]:
+    """One line per model that served requests between the two readings: its phases' mean ms per
+    request (a batch's phases shared by its requests), largest first."""
+    lines = []
+    for model, now in sorted(after.items()):
+        was = before.get(model, {})
+        steps = now.get("(steps)", 0.0) - was.get("(steps)", 0.0)
+        if steps <= 0:
+            continue
+        means = {k: (v - was.get(k, 0.0)) * 1000 / steps for k, v in now.items() if k != "(steps)"}
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(means.items(), key=lambda kv: -kv[1]) if v > 0)
+        lines.append(f"phases, ms per request, {what}, {model} ({steps:.0f} requests): {parts}")
+    return lines
 
 
 def encoder_counts(url: str) -> tuple[int, int] | None:
