@@ -234,7 +234,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
                      preprocess_instances=args.preprocess_instances, fused="fused" in ensembles,
-                     fused_pipeline=args.fused_pipeline)
+                     fused_pipeline=args.fused_pipeline, fused_lanes=int(os.environ.get("KIMI_FUSED_LANES", "2")))
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -308,7 +308,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
                                   f"kimi_preprocess {dep.preprocess_instances}"
-                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'})"
+                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'}, lanes {dep.fused_lanes})"
                                      if dep.fused else ""))
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())

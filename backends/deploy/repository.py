@@ -58,12 +58,17 @@ class Deployment:
     # The fused model's two-stage pipeline (backends/serving/pipeline.py): a request's preprocessing runs
     # beside the previous request's encoder forward, in one process; off, one request at a time.
     fused_pipeline: bool = True
+    # GPU, with the pipeline: encoder forwards of the fused model that may run side by side on their own
+    # CUDA streams (one copy of the weights, each lane its own CUDA graphs); 1 = one at a time.
+    fused_lanes: int = 2
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if self.preprocess_instances == 0:
             object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
+        if self.fused_lanes < 1:
+            raise ValueError(f"fused_lanes must be at least 1, got {self.fused_lanes}")
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -223,6 +228,7 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     if dep.fused:
         dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0)
         dicts[FUSED]["parameters"]["pipeline"] = {"string_value": "yes" if dep.fused_pipeline else "no"}
+        dicts[FUSED]["parameters"]["encoder_lanes"] = {"string_value": str(dep.fused_lanes)}
         encoders[FUSED] = 0
     for name, delay_us in encoders.items():
         if dep.device == "gpu":

@@ -65,6 +65,10 @@ class GraphedEncoder:
     def applies(self, num_patches: int) -> bool:
         return self.model.device.type == "cuda" and 0 < num_patches <= self.max_patches
 
+    def will_replay(self, num_patches: int, grid_thws) -> bool:
+        """Whether a forward of these grids replays a graph already captured (no eager work, no capture)."""
+        return self.applies(num_patches) and tuple(as_grid_list(grid_thws)) in self.graphs
+
     @torch.inference_mode()  # as the model's forward: the static input is captured as an inference tensor
     def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
         grids = as_grid_list(grid_thws)

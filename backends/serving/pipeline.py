@@ -20,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -35,15 +36,20 @@ class Pipeline:
     handle) and later `finish(job, handle, error)`, `error` being what `launch` raised (handle None).
     `finish` answers the request; what it raises is logged, never lost in a dead thread.
 
-    `depth` jobs may wait for the worker beyond the one it has launched; `submit` blocks while they
-    do, so the caller (Triton's execute) stops taking requests and they queue in the server, where its
-    queue policy bounds them. `context()` is entered once on the worker thread, around its loop (its
-    CUDA device and stream)."""
+    Up to `in_flight` jobs are launched and not yet finished (2: the next forward queued while the
+    previous answer goes out; one more per further lane that runs forwards side by side). `depth`
+    jobs may wait for the worker beyond those; `submit` blocks while they do, so the caller (Triton's
+    execute) stops taking requests and they queue in the server, where its queue policy bounds them.
+    `context()` is entered once on the worker thread, around its loop (its CUDA device)."""
 
     def __init__(self, launch: Callable[[Any], Any], finish: Callable[[Any, Any, BaseException | None], None], *,
-                 depth: int = 1, context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 depth: int = 1, in_flight: int = 2,
+                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  name: str = "pipeline"):
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         self._launch, self._finish, self._context = launch, finish, context
+        self._in_flight = in_flight
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -70,22 +76,21 @@ class Pipeline:
 
     def _run(self) -> None:
         with self._context():
-            pending = None  # (job, handle, error): launched, not yet finished
+            pending: deque = deque()  # (job, handle, error): launched, not yet finished, oldest first
             while True:
+                if len(pending) >= self._in_flight:
+                    self._finish_one(pending.popleft())
+                    continue
                 try:
-                    job = self._queue.get(block=pending is None)
-                except queue.Empty:  # nothing to launch meanwhile: answer the pending job now
-                    self._finish_one(pending)
-                    pending = None
+                    job = self._queue.get(block=not pending)
+                except queue.Empty:  # nothing to launch meanwhile: answer the oldest launched job now
+                    self._finish_one(pending.popleft())
                     continue
                 if job is _STOP:
-                    if pending is not None:
-                        self._finish_one(pending)
+                    while pending:
+                        self._finish_one(pending.popleft())
                     return
-                launched = self._launch_one(job)
-                if pending is not None:
-                    self._finish_one(pending)
-                pending = launched
+                pending.append(self._launch_one(job))
 
     def _launch_one(self, job):
         try:
@@ -101,17 +106,26 @@ class Pipeline:
 
 
 class Streams:
-    """The CUDA streams of the two stages, and the events that order them; every method is a no-op
-    on the CPU, where the two stages need no ordering beyond the job hand-over.
+    """The CUDA streams of the stages, and the events that order them: one for preprocessing and one per
+    encoder lane. Every method is a no-op on the CPU, where the stages need no ordering beyond the job
+    hand-over.
 
-    Both streams are non-blocking (torch creates its streams so): the Python backend's own copies of
-    outputs, on the legacy default stream, then wait for neither stage's later work."""
+    All streams are non-blocking (torch creates its streams so): the Python backend's own copies of
+    outputs, on the legacy default stream, then wait for no stage's later work.
 
-    def __init__(self, device: torch.device):
+    Lanes: forwards on different lanes may run at the same time, so that one forward's kernels fill what
+    another leaves of the GPU (as two encoder instances under CUDA MPS do, with one copy of the weights).
+    Only graph replays run side by side: a forward that may build the per-grid tables (an eager one, or
+    a capture) first waits for every lane, and every later forward waits for it, so no forward reads a
+    table another lane is still writing."""
+
+    def __init__(self, device: torch.device, lanes: int = 1):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.lanes = max(1, lanes) if self.cuda else 1
         self.pre = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.encoder = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self.encoders = [torch.cuda.Stream(device=self.device) for _ in range(self.lanes)] if self.cuda else [None]
+        self._last_exclusive = None  # event: the end of the latest forward that did not run side by side
 
     def _on(self, stream) -> contextlib.AbstractContextManager:
         if not self.cuda:
@@ -125,29 +139,56 @@ class Streams:
         """Around the first stage's GPU work (the caller's thread)."""
         return self._on(self.pre)
 
-    def encoding(self) -> contextlib.AbstractContextManager:
-        """Around the worker's loop."""
-        return self._on(self.encoder)
+    def device_context(self) -> contextlib.AbstractContextManager:
+        """Around the worker's loop: its CUDA device (the current device is per thread)."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
-    def record(self, stream_name: str):
-        """An event marking the work queued so far on the stage's stream (None on the CPU)."""
+    def lane(self, lane: int) -> contextlib.AbstractContextManager:
+        """Around one forward's launch on `lane` (the worker's thread)."""
+        return self._on(self.encoders[lane])
+
+    def record_pre(self):
+        """An event marking the preprocessing queued so far (None on the CPU)."""
+        return self._record(self.pre)
+
+    def _record(self, stream):
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(self.pre if stream_name == "pre" else self.encoder)
+        event.record(stream)
         return event
 
-    def hand_over(self, ready, tensors) -> None:
-        """The encoder's stream waits for `ready` (the preprocessing that wrote `tensors`), and the
-        allocator keeps `tensors`' memory from the preprocessing stream until the encoder's work queued
+    def hand_over(self, ready, tensors, lane: int = 0) -> None:
+        """The lane's stream waits for `ready` (the preprocessing that wrote `tensors`), and the
+        allocator keeps `tensors`' memory from the preprocessing stream until the lane's work queued
         so far has read them (record_stream): without it the next request's preprocessing could reuse
         the memory while the forward still reads it."""
         if not self.cuda or ready is None:
             return
-        self.encoder.wait_event(ready)
+        stream = self.encoders[lane]
+        stream.wait_event(ready)
         for t in tensors:
             if t.is_cuda:
-                t.record_stream(self.encoder)
+                t.record_stream(stream)
+
+    def before_forward(self, lane: int, side_by_side: bool) -> None:
+        """Orders a forward about to be launched on `lane` (see the class notes)."""
+        if not self.cuda:
+            return
+        stream = self.encoders[lane]
+        if not side_by_side:
+            for other in self.encoders:
+                if other is not stream:
+                    stream.wait_stream(other)
+        elif self._last_exclusive is not None:
+            stream.wait_event(self._last_exclusive)
+
+    def after_forward(self, lane: int, side_by_side: bool):
+        """The event marking the forward just launched on `lane` (None on the CPU)."""
+        done = self._record(self.encoders[lane])
+        if not side_by_side:
+            self._last_exclusive = done
+        return done
 
     @staticmethod
     def wait(done) -> None:

@@ -165,8 +165,11 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None):
+    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None, count_tables: bool = True):
         self.model = model
+        # False for a second step on the same model (the fused model's lanes): the per-grid tables are
+        # the process's, counted by the first; this one counts its graphs.
+        self.count_tables = count_tables
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
         self._graphed = None
@@ -192,8 +195,13 @@ class EncoderStep:
         key = (graphed.changes if graphed is not None else 0, cache_version())
         if key != self._cached_key:
             graphs = graphed.held_tensors() if graphed is not None else []
-            self._cached_bytes = held_bytes([*graphs, *cached_tensors()], device=self.model.device)
+            tables = cached_tensors() if self.count_tables else []
+            self._cached_bytes = held_bytes([*graphs, *tables], device=self.model.device)
             self._cached_key = key
+
+    def will_replay(self, req: EncoderRequest) -> bool:
+        """Whether this request alone replays a captured graph: a forward that builds no tables."""
+        return self._graphed is not None and self._graphed.will_replay(req.pixel_values.shape[0], req.grid_thws)
 
     def check(self, req: EncoderRequest) -> None:
         grid = np.asarray(req.grid_thws)
@@ -270,15 +278,20 @@ class FusedStep:
     in the ensemble, whose steps are separate instances (docs/triton_runtime.md#one-model-or-the-ensemble).
     """
 
-    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0, capture_lock=None):
+    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0, capture_lock=None,
+                 lanes: int = 1):
         self.cfg = cfg
         # Pixels in the encoder's dtype, as kimi_preprocess hands them to moonvit3d in the same deployment.
         self.preprocess = PreprocessStep(cfg, limits, device=model.device, out_dtype=model.dtype)
         self.pre = self.preprocess.pre  # its Preprocessor (the adapter counts its decodes)
-        self.encoder = EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock)
+        # One encoder step per lane, all on the one model (one copy of the weights): each has its own
+        # CUDA graphs, so that two lanes' forwards may run at once on two streams (the pipeline's).
+        self.encoders = [EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock, count_tables=i == 0)
+                         for i in range(max(1, lanes))]
+        self.encoder = self.encoders[0]
 
     def cached_bytes(self) -> int:
-        return self.encoder.cached_bytes()
+        return sum(e.cached_bytes() for e in self.encoders)
 
     def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None, cancelled_now=None,
                  embeds: bool = True) -> dict:
@@ -301,14 +314,19 @@ class FusedStep:
         phases.mark("expand ids")
         return out
 
-    def encode(self, out: dict, cancelled_now=None) -> dict:
-        """`prepare`'s outputs with PIXEL_VALUES replaced by IMAGE_EMBEDS (launched, not waited for, on CUDA)."""
+    def replays(self, out: dict, lane: int = 0) -> bool:
+        """Whether `encode(out, lane=lane)` would replay a captured graph (backends/encoder/graphs.py)."""
+        return self.encoders[lane].will_replay(EncoderRequest(out[PIXEL_VALUES], out[GRID_THWS]))
+
+    def encode(self, out: dict, cancelled_now=None, lane: int = 0) -> dict:
+        """`prepare`'s outputs with PIXEL_VALUES replaced by IMAGE_EMBEDS (launched, not waited for, on CUDA),
+        by the encoder step of `lane`."""
         # A client that gave up meanwhile (a deadline) costs no encoder time.
         if cancelled_now is not None and cancelled_now():
             raise RequestCancelled("cancelled by the client before the encoder ran")
         phases.mark("cancel check before the encoder")
         pixel_values = out.pop(PIXEL_VALUES)
-        (result,) = self.encoder.run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
+        (result,) = self.encoders[lane].run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
         if isinstance(result, Exception):
             raise result
         out[IMAGE_EMBEDS] = result

@@ -295,16 +295,22 @@ class FusedModel(_Adapter):
     name = FUSED
 
     def setup(self):
-        self.pipelined = self.config.get("parameters", {}).get("pipeline", {}).get("string_value", "no") == "yes"
+        params = self.config.get("parameters", {})
+        self.pipelined = params.get("pipeline", {}).get("string_value", "no") == "yes"
+        # Encoder lanes: forwards that may run side by side on their own streams (Streams); GPU only.
+        lanes = int(params.get("encoder_lanes", {}).get("string_value", "1") or 1) if self.pipelined else 1
+        if not self.settings.device.startswith("cuda"):
+            lanes = 1
         # Graph captures wait for the preprocessing thread's GPU work and keep it out meanwhile.
         self.gpu_lock = threading.Lock() if self.pipelined else contextlib.nullcontext()
         self.step = FusedStep(self.settings.vision, _load_encoder(self.settings, self.config), self.settings.limits,
                               cuda_graphs=self.settings.cuda_graphs,
-                              capture_lock=self.gpu_lock if self.pipelined else None)
+                              capture_lock=self.gpu_lock if self.pipelined else None, lanes=lanes)
         if self.pipelined:
-            self.streams = Streams(torch.device(self.settings.device))
-            self.pipeline = Pipeline(self._launch, self._finish, context=self.streams.encoding,
-                                     name=f"{self.name}-encoder")
+            self.streams = Streams(torch.device(self.settings.device), lanes=lanes)
+            self._next_lane = 0
+            self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,
+                                     context=self.streams.device_context, name=f"{self.name}-encoder")
 
     def _prepare(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
@@ -338,7 +344,7 @@ class FusedModel(_Adapter):
             with self.gpu_lock, self.streams.preprocessing():
                 inputs = self.inputs(request)
                 out, embeds = self._prepare(inputs)
-                ready = self.streams.record("pre") if embeds else None
+                ready = self.streams.record_pre() if embeds else None
             if embeds:
                 job = _FusedJob(inputs, request.get_response_sender(), out, ready, t0, {})
                 job.phases = phases.end()
@@ -354,14 +360,18 @@ class FusedModel(_Adapter):
         return response
 
     def _launch(self, job: _FusedJob):
-        """The second stage, on the worker thread with the encoder's stream current: the forward
-        queued behind the previous one's, not waited for."""
+        """The second stage, on the worker thread: the forward launched on the next lane, queued behind
+        that lane's previous one, not waited for."""
         phases.begin()
+        lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.streams.lanes
         try:
-            self.streams.hand_over(job.ready, [job.out[PIXEL_VALUES]])
-            phases.mark("hand-over")
-            out = self.step.encode(job.out, cancelled_now=job.sender.is_cancelled)
-            return out, self.streams.record("encoder")
+            with self.streams.lane(lane):
+                self.streams.hand_over(job.ready, [job.out[PIXEL_VALUES]], lane)
+                side_by_side = self.step.replays(job.out, lane)
+                self.streams.before_forward(lane, side_by_side)
+                phases.mark("hand-over")
+                out = self.step.encode(job.out, cancelled_now=job.sender.is_cancelled, lane=lane)
+                return out, self.streams.after_forward(lane, side_by_side)
         finally:
             _add_phases(job.phases, phases.end())
 

@@ -1,6 +1,8 @@
 """The GPU deployment on a real tritonserver: tensors stay on the GPU between steps, results equal the
 in-process GPU pipeline, CUDA shared memory works, and the placement check catches a too-small pool."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -86,25 +88,38 @@ def test_one_registered_cuda_region_serves_several_requests(gpu_server):
         client.close()
 
 
+def _fused_once(server, ids, blobs):
+    client = KimiVisionClient(server.grpc_url, model="kimi_k25_vision_fused")
+    try:
+        return client.infer(ids, blobs)
+    finally:
+        client.close()
+
+
 def test_the_fused_model_gives_the_ensembles_bits_on_the_gpu(gpu_server):
     """kimi_k25_vision_fused runs the same kernels in one process: the same bits as the ensemble, one
     request at a time, call for call. The three images (18,756 patches, the 3000x2000 JPEG on the GPU
     decoder) run eagerly on both sides, above the encoder's CUDA-graph limit of 16,384 patches. Two small
-    images that no other test sends (a JPEG on the GPU decoder and a PNG) go four times through each, so
-    that both would capture and replay a graph; this test does not observe that they did (that the fused
-    model's GPU config keeps graphs is tests/unit/test_repository_configs.py's to check). And into a CUDA
-    shared-memory region too."""
+    images that no other test sends (a JPEG on the GPU decoder and a PNG) go six times through each, so
+    that both would capture and replay a graph, and the fused model's two encoder lanes each theirs; this
+    test does not observe that they did (that the fused model's GPU config keeps graphs is
+    tests/unit/test_repository_configs.py's to check). Then eight at once, so that the lanes' replays run
+    side by side. And into a CUDA shared-memory region too."""
     small = [encode(photo_like(336, 252, seed=11), "JPEG", quality=85), encode(photo_like(196, 140, seed=12), "PNG")]
     ensemble = KimiVisionClient(gpu_server.grpc_url)
     fused = KimiVisionClient(gpu_server.grpc_url, model="kimi_k25_vision_fused")
     try:
         for blobs in (images(), small):
             ids = chat_prompt_ids(len(blobs))
-            for _ in range(4):
+            for _ in range(6):
                 a, b = ensemble.infer(ids, blobs), fused.infer(ids, blobs)
                 np.testing.assert_array_equal(b.image_embeds, a.image_embeds)
                 assert b.expanded_ids.tolist() == a.expanded_ids.tolist()
                 assert b.grid_thws.tolist() == a.grid_thws.tolist()
+        with ThreadPoolExecutor(8) as pool:
+            burst = list(pool.map(lambda _: _fused_once(gpu_server, ids, blobs), range(8)))
+        for r in burst:
+            np.testing.assert_array_equal(r.image_embeds, a.image_embeds)
         shm = fused.infer(ids, blobs, shm="cuda")
         assert shm.cuda_embeds.is_cuda and shm.cuda_embeds.dtype == torch.bfloat16
         np.testing.assert_array_equal(shm.image_embeds, a.image_embeds)

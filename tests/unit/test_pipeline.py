@@ -134,10 +134,44 @@ def test_the_worker_runs_inside_its_context():
     assert seen == [("enter", "worker-x"), ("launch", "worker-x"), ("exit", "worker-x")]
 
 
+def test_up_to_in_flight_jobs_are_launched_before_the_oldest_is_answered():
+    """in_flight=3 (two lanes): jobs 0, 1 and 2 are launched before job 0 is finished; never more than
+    three launched and unfinished at once."""
+    log = Log()
+    gate = threading.Event()
+    launched_unfinished, most = [0], [0]
+
+    def launch(job):
+        if job == 0:
+            gate.wait(5)  # the rest queue up behind it
+        log.add("launch", job)
+        launched_unfinished[0] += 1
+        most[0] = max(most[0], launched_unfinished[0])
+
+    def finish(job, handle, error):
+        launched_unfinished[0] -= 1
+        log.add("finish", job)
+
+    p = Pipeline(launch, finish, depth=4, in_flight=3)
+    for job in range(6):
+        p.submit(job)
+    gate.set()
+    p.close()
+    order = log.events
+    assert [e[1] for e in order if e[0] == "finish"] == list(range(6))
+    assert order.index(("launch", 2)) < order.index(("finish", 0))
+    assert most[0] == 3
+    with pytest.raises(ValueError):
+        Pipeline(launch, finish, in_flight=0)
+
+
 def test_streams_on_the_cpu_do_nothing():
-    s = Streams(torch.device("cpu"))
+    s = Streams(torch.device("cpu"), lanes=2)
+    assert s.lanes == 1  # lanes are for CUDA streams
     t = torch.zeros(3)
-    with s.preprocessing(), s.encoding():
-        assert s.record("pre") is None
+    with s.preprocessing(), s.device_context(), s.lane(0):
+        assert s.record_pre() is None
         s.hand_over(None, [t])
+        s.before_forward(0, side_by_side=False)
+        assert s.after_forward(0, side_by_side=False) is None
         s.wait(None)
