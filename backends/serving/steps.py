@@ -272,10 +272,12 @@ class FusedStep:
 
     The ensemble hands every request from process to process: the preprocessing's answer back to the
     server, then the encoder's queue and a second stub, each hop a few tenths of a millisecond of IPC
-    and tensor hand-over. Here the pixels go straight into the encoder. What it gives up: an instance
-    takes its next request only once this one's outputs are copied out (the server waits for that), so
-    under concurrency the next request's preprocessing does not run beside this one's encoder, as it does
-    in the ensemble, whose steps are separate instances (docs/triton_runtime.md#one-model-or-the-ensemble).
+    and tensor hand-over. Here the pixels go straight into the encoder. Called whole, an instance takes
+    its next request only once this one's outputs are copied out (the server waits for that), so under
+    concurrency the next request's preprocessing would not run beside this one's encoder. Hence its two
+    halves: the adapter's pipeline runs `prepare` on the request thread and `encode` on a worker thread,
+    with `lanes` encoder steps whose forwards may run side by side
+    (docs/triton_runtime.md#the-fused-models-pipeline).
     """
 
     def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0, capture_lock=None,
