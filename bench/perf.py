@@ -308,7 +308,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
                                   f"kimi_preprocess {dep.preprocess_instances}"
-                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'}, lanes {dep.fused_lanes})"
+                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'}"
+                                     + (f", lanes {dep.fused_lanes}" if dep.device == "gpu" and dep.fused_pipeline else "") + ")"
                                      if dep.fused else ""))
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
