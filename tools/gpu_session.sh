@@ -20,7 +20,8 @@
 #   holds the limit, runs its MPS daemon, answers, stops),
 #   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
 #   ENVAB_CONCURRENCY; default 8x448^2 at concurrency 1),
-#   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py)
+#   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py),
+#   lanesprobe (the fused model's answers at concurrency 16 against one at a time, real size: tools/lanes_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
 set -uo pipefail
@@ -71,7 +72,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md"
+SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md lanes_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -257,6 +258,8 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
         | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
+    lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
+      python3 -m tools.lanes_probe --checkpoint /tmp/kimi-random > "$out/lanes_probe.md" 2>&1; tail -8 "$out/lanes_probe.md" ;;
     scanprobe)  # the JPEG scan check on this host's cores: time per thread count and phases, threaded verdicts
       { python3 -m tools.scan_check_probe --phases 2>&1; python3 -m tools.scan_check_probe --agreement 4 2>&1; } \
         > "$out/scan_check_probe.md"; grep -v "^threads" "$out/scan_check_probe.md" ;;

@@ -58,6 +58,7 @@ class GraphedEncoder:
         self.seen: OrderedDict[tuple, bool] = OrderedDict()
         self.pool = None
         self._side: torch.cuda.Stream | None = None  # the warm-up stream, made at the first capture
+        self._capture_stream: torch.cuda.Stream | None = None  # the capture stream, made with it
         self.captures = 0
         self.changes = 0  # bumped whenever self.graphs gains or loses a graph (a failed capture evicts too)
         self.replays = 0
@@ -124,6 +125,11 @@ class GraphedEncoder:
         # (bench/results/h200-2026-12-01-fifth.md, "A leak that was a cache").
         if self._side is None:
             self._side = torch.cuda.Stream(device=model.device)
+            # Its own capture stream too (torch.cuda.graph's default is one stream for the whole process):
+            # torch hands cuBLAS a workspace per (handle, stream), and a graph keeps the one of the stream
+            # it was captured on. Two encoders whose graphs replay at the same time (the fused model's
+            # lanes) must not share one workspace.
+            self._capture_stream = torch.cuda.Stream(device=model.device)
         side = self._side
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):
@@ -133,7 +139,8 @@ class GraphedEncoder:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         mode = "global" if self.capture_lock is None else "thread_local"
-        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
+        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream,
+                                                                  capture_error_mode=mode):
             out = model(static, meta)
         captured = _Captured(graph, static, out, meta, tables)
         self.graphs[tuple(grids)] = captured

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -40,57 +39,90 @@ class Pipeline:
     previous answer goes out; one more per further lane that runs forwards side by side). `depth`
     jobs may wait for the worker beyond those; `submit` blocks while they do, so the caller (Triton's
     execute) stops taking requests and they queue in the server, where its queue policy bounds them.
-    `context()` is entered once on the worker thread, around its loop (its CUDA device)."""
+    `context()` is entered once on the worker thread, around its loop (its CUDA device).
+
+    Should the worker ever stop on an error of its own, every job it holds or that waits for it is
+    finished with that error, and `submit` refuses from then on: no request is left without an answer."""
 
     def __init__(self, launch: Callable[[Any], Any], finish: Callable[[Any, Any, BaseException | None], None], *,
                  depth: int = 1, in_flight: int = 2,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  name: str = "pipeline"):
-        if in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        if in_flight < 1 or depth < 1:
+            raise ValueError(f"in_flight and depth must be at least 1, got {in_flight} and {depth}")
         self._launch, self._finish, self._context = launch, finish, context
-        self._in_flight = in_flight
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._closed = False
+        self._in_flight, self._depth = in_flight, depth
+        self._cv = threading.Condition()  # guards the fields below
+        self._waiting: deque = deque()  # submitted, not yet taken by the worker
+        self._closing = False
+        self._stopped: BaseException | None = None  # why the worker stopped early
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job) -> None:
-        if self._closed:
-            raise RuntimeError("the pipeline is closed")
-        while True:
-            try:
-                self._queue.put(job, timeout=1.0)
-                return
-            except queue.Full:
-                if not self._thread.is_alive():  # never reached: the loop catches everything; never hang on it
-                    raise RuntimeError("the pipeline's worker thread is gone") from None
+        with self._cv:
+            while len(self._waiting) >= self._depth and not (self._closing or self._stopped):
+                self._cv.wait()
+            if self._stopped is not None:
+                raise RuntimeError(f"the pipeline's worker stopped: {self._stopped!r}")
+            if self._closing:
+                raise RuntimeError("the pipeline is closed")
+            self._waiting.append(job)
+            self._cv.notify_all()
 
-    def close(self, timeout: float | None = 60.0) -> None:
-        """Finishes every job already submitted, then stops the worker."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+    def close(self, timeout: float | None = 60.0) -> bool:
+        """Finishes every job already submitted, then stops the worker; False if it was still busy
+        after `timeout` seconds (then it goes on in the background: a daemon thread)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the pipeline's worker was still answering %.0f s after close", timeout or 0)
+            return False
+        return True
+
+    def _take(self, block: bool):
+        """The next job; None when none waits and `block` is False; _STOP when closing and none waits."""
+        with self._cv:
+            while not self._waiting:
+                if self._closing:
+                    return _STOP
+                if not block:
+                    return None
+                self._cv.wait()
+            job = self._waiting.popleft()
+            self._cv.notify_all()  # room for a submit
+            return job
 
     def _run(self) -> None:
-        with self._context():
-            pending: deque = deque()  # (job, handle, error): launched, not yet finished, oldest first
-            while True:
-                if len(pending) >= self._in_flight:
-                    self._finish_one(pending.popleft())
-                    continue
-                try:
-                    job = self._queue.get(block=not pending)
-                except queue.Empty:  # nothing to launch meanwhile: answer the oldest launched job now
-                    self._finish_one(pending.popleft())
-                    continue
-                if job is _STOP:
-                    while pending:
+        pending: deque = deque()  # (job, handle, error): launched, not yet finished, oldest first
+        try:
+            with self._context():
+                while True:
+                    if len(pending) >= self._in_flight:
                         self._finish_one(pending.popleft())
-                    return
-                pending.append(self._launch_one(job))
+                        continue
+                    job = self._take(block=not pending)
+                    if job is None:  # nothing to launch meanwhile: answer the oldest launched job now
+                        self._finish_one(pending.popleft())
+                        continue
+                    if job is _STOP:
+                        while pending:
+                            self._finish_one(pending.popleft())
+                        return
+                    pending.append(self._launch_one(job))
+        except BaseException as exc:  # noqa: BLE001 - e.g. the context failed: answer everything held
+            log.exception("the pipeline's worker stopped")
+            with self._cv:
+                self._stopped = exc
+                stranded = list(self._waiting)
+                self._waiting.clear()
+                self._cv.notify_all()
+            for launched in pending:
+                self._finish_one((launched[0], None, exc))
+            for job in stranded:
+                self._finish_one((job, None, exc))
 
     def _launch_one(self, job):
         try:
@@ -103,7 +135,6 @@ class Pipeline:
             self._finish(*launched)
         except BaseException:  # noqa: BLE001 - the worker must live on for the next jobs
             log.exception("answering a request failed")
-
 
 class Streams:
     """The CUDA streams of the stages, and the events that order them: one for preprocessing and one per

@@ -165,11 +165,11 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None, count_tables: bool = True):
+    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None, count_held: bool = True):
         self.model = model
-        # False for a second step on the same model (the fused model's lanes): the per-grid tables are
-        # the process's, counted by the first; this one counts its graphs.
-        self.count_tables = count_tables
+        # False where an owner of several steps on one model counts what they hold together
+        # (FusedStep's lanes: the per-grid tables are the process's, and a table a graph holds counts once).
+        self.count_held = count_held
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
         self._graphed = None
@@ -191,13 +191,17 @@ class EncoderStep:
         return self._cached_bytes
 
     def _count_cached(self) -> None:
-        graphed = self._graphed
-        key = (graphed.changes if graphed is not None else 0, cache_version())
+        key = self.held_key()
         if key != self._cached_key:
-            graphs = graphed.held_tensors() if graphed is not None else []
-            tables = cached_tensors() if self.count_tables else []
-            self._cached_bytes = held_bytes([*graphs, *tables], device=self.model.device)
+            self._cached_bytes = held_bytes([*self.graph_tensors(), *cached_tensors()], device=self.model.device)
             self._cached_key = key
+
+    def held_key(self) -> tuple:
+        """Changes whenever what this step's graphs or the per-grid caches hold may have changed."""
+        return (self._graphed.changes if self._graphed is not None else 0, cache_version())
+
+    def graph_tensors(self) -> list[torch.Tensor]:
+        return self._graphed.held_tensors() if self._graphed is not None else []
 
     def will_replay(self, req: EncoderRequest) -> bool:
         """Whether this request alone replays a captured graph: a forward that builds no tables."""
@@ -216,7 +220,8 @@ class EncoderStep:
         try:
             return self._run_batch(requests)
         finally:
-            self._count_cached()
+            if self.count_held:
+                self._count_cached()
 
     def _run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
@@ -288,12 +293,22 @@ class FusedStep:
         self.pre = self.preprocess.pre  # its Preprocessor (the adapter counts its decodes)
         # One encoder step per lane, all on the one model (one copy of the weights): each has its own
         # CUDA graphs, so that two lanes' forwards may run at once on two streams (the pipeline's).
-        self.encoders = [EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock, count_tables=i == 0)
-                         for i in range(max(1, lanes))]
+        self.encoders = [EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock, count_held=False)
+                         for _ in range(max(1, lanes))]
         self.encoder = self.encoders[0]
+        self._cached_bytes, self._cached_key = 0, None
 
     def cached_bytes(self) -> int:
-        return sum(e.cached_bytes() for e in self.encoders)
+        """What all lanes' graphs and the per-grid caches hold, counted together (a table held by a cache
+        and by graphs counts once); as EncoderStep.cached_bytes, counted on the thread that encodes."""
+        return self._cached_bytes
+
+    def _count_cached(self) -> None:
+        key = tuple(e.held_key() for e in self.encoders)
+        if key != self._cached_key:
+            tensors = [*(t for e in self.encoders for t in e.graph_tensors()), *cached_tensors()]
+            self._cached_bytes = held_bytes(tensors, device=self.encoder.model.device)
+            self._cached_key = key
 
     def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None, cancelled_now=None,
                  embeds: bool = True) -> dict:
@@ -303,10 +318,7 @@ class FusedStep:
         run; the images are still decoded, so that a file the ensemble refuses is refused here too
         (the ensemble runs kimi_preprocess for every subset of its outputs)."""
         out = self.prepare(input_ids, images, media_frames, cancelled)
-        if not embeds:
-            out.pop(PIXEL_VALUES)
-            return out
-        return self.encode(out, cancelled_now)
+        return self.encode(out, cancelled_now) if embeds else self.without_embeds(out)
 
     def prepare(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None) -> dict:
         """Everything before the encoder: the outputs but IMAGE_EMBEDS, and PIXEL_VALUES for `encode`."""
@@ -314,6 +326,12 @@ class FusedStep:
         out = self.preprocess(images, media_frames=media_frames, cancelled=cancelled, input_ids=input_ids)
         out[EXPANDED_IDS] = expand_placeholders(input_ids, self.cfg.tokens.media_pad, out[IMAGE_TOKEN_COUNTS].tolist())
         phases.mark("expand ids")
+        return out
+
+    @staticmethod
+    def without_embeds(out: dict) -> dict:
+        """`prepare`'s outputs as the answer when IMAGE_EMBEDS is not wanted."""
+        out.pop(PIXEL_VALUES)
         return out
 
     def replays(self, out: dict, lane: int = 0) -> bool:
@@ -328,7 +346,10 @@ class FusedStep:
             raise RequestCancelled("cancelled by the client before the encoder ran")
         phases.mark("cancel check before the encoder")
         pixel_values = out.pop(PIXEL_VALUES)
-        (result,) = self.encoders[lane].run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
+        try:
+            (result,) = self.encoders[lane].run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
+        finally:
+            self._count_cached()
         if isinstance(result, Exception):
             raise result
         out[IMAGE_EMBEDS] = result

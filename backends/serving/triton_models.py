@@ -185,18 +185,26 @@ class _Adapter:
             phases.begin()  # the phases add up to the step time, but for the microseconds around them
             try:
                 inputs = self.inputs(request)
-                outputs = inputs.shape_outputs(self.respond(inputs))
-                outputs.update({name + FORWARD_SUFFIX: outputs[name] for name in self.forwarded})
+                outputs = self.respond(inputs)
                 phases.mark("step")  # what the step's own marks left (the whole step where it has none)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()]))
+                responses.append(self.response(inputs, outputs))
                 phases.mark("output tensors")
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))
                 phases.mark("failed")
-            elapsed = time.perf_counter() - t0
-            self.metrics.phases(phases.end())
-            self.metrics.step_time(elapsed)
+            self.count(t0, phases.end())
         return responses
+
+    def response(self, inputs: _Inputs, outputs: dict):
+        """The request's answer: its outputs shaped as it sent its inputs, with the copies the next step reads."""
+        outputs = inputs.shape_outputs(outputs)
+        outputs.update({name + FORWARD_SUFFIX: outputs[name] for name in self.forwarded})
+        return pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()])
+
+    def count(self, t0: float, seconds: dict) -> None:
+        """One request's phases and its step time (from t0, when the model took it)."""
+        self.metrics.phases(seconds)
+        self.metrics.step_time(time.perf_counter() - t0)
 
     def finalize(self):
         profiler = getattr(self, "profiler", None)  # None if initialize failed before making it
@@ -295,11 +303,13 @@ class FusedModel(_Adapter):
     name = FUSED
 
     def setup(self):
-        params = self.config.get("parameters", {})
-        self.pipelined = params.get("pipeline", {}).get("string_value", "no") == "yes"
-        # Encoder lanes: forwards that may run side by side on their own streams (Streams); GPU only.
-        lanes = int(params.get("encoder_lanes", {}).get("string_value", "1") or 1) if self.pipelined else 1
-        if not self.settings.device.startswith("cuda"):
+        params = {k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()}
+        self.pipelined = params.get("pipeline", "no") == "yes"
+        # Encoder lanes: forwards that may run side by side on their own streams (Streams); a GPU pipeline's.
+        lanes = int(params.get("encoder_lanes") or 1)
+        if lanes < 1:
+            raise ValueError(f"parameter encoder_lanes must be at least 1, got {lanes}")
+        if not (self.pipelined and self.settings.device.startswith("cuda")):
             lanes = 1
         # Graph captures wait for the preprocessing thread's GPU work and keep it out meanwhile.
         self.gpu_lock = threading.Lock() if self.pipelined else contextlib.nullcontext()
@@ -325,10 +335,7 @@ class FusedModel(_Adapter):
 
     def respond(self, inputs: _Inputs):
         out, embeds = self._prepare(inputs)
-        if not embeds:
-            out.pop(PIXEL_VALUES)
-            return out
-        return self.step.encode(out, cancelled_now=inputs.request.is_cancelled)
+        return self.step.encode(out, cancelled_now=inputs.request.is_cancelled) if embeds else self.step.without_embeds(out)
 
     def _execute(self, requests):
         if not self.pipelined:
@@ -350,13 +357,12 @@ class FusedModel(_Adapter):
                 job.phases = phases.end()
                 self.pipeline.submit(job)  # blocks while the worker is a request behind
                 return None
-            out.pop(PIXEL_VALUES)
-            response = self._response(inputs, out)
+            response = self.response(inputs, self.step.without_embeds(out))
             phases.mark("output tensors")
         except Exception as exc:  # noqa: BLE001 - one response per request, always
             response = self.error_response(exc)
             phases.mark("failed")
-        self._count(t0, phases.end())
+        self.count(t0, phases.end())
         return response
 
     def _launch(self, job: _FusedJob):
@@ -379,12 +385,12 @@ class FusedModel(_Adapter):
         """The answer, once the forward has run: through the response sender, with the FINAL flag."""
         phases.begin()
         try:
-            if error is not None:
-                raise error
+            if error is not None:  # what the launch raised (or why the worker stopped): this request's error
+                raise error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}: {error}")
             out, done = launched
             self.streams.wait(done)
             phases.mark("encoder wait")
-            response = self._response(job.inputs, out)
+            response = self.response(job.inputs, out)
             phases.mark("output tensors")
         except Exception as exc:  # noqa: BLE001 - this request alone
             response = self.error_response(exc)
@@ -392,18 +398,12 @@ class FusedModel(_Adapter):
             job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001
             # The server answers the client itself when it cannot place the outputs; a send that fails
-            # before reaching it closes the sender anyway (python_backend 2.51), so this is logged only.
+            # before reaching it has closed the sender all the same (python_backend 2.51): nothing more
+            # can be sent, so it is counted and logged.
+            self.metrics.failure(exc)
             log.error("%s: sending a response failed: %s", self.name, exc)
         phases.mark("send")
-        self._count(job.t0, _add_phases(job.phases, phases.end()))
-
-    def _response(self, inputs: _Inputs, out: dict):
-        outputs = inputs.shape_outputs(out)
-        return pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()])
-
-    def _count(self, t0: float, seconds: dict) -> None:
-        self.metrics.phases(seconds)
-        self.metrics.step_time(time.perf_counter() - t0)
+        self.count(job.t0, _add_phases(job.phases, phases.end()))
 
     def finalize(self):
         pipeline = getattr(self, "pipeline", None)

@@ -184,7 +184,8 @@ def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
 
 def test_without_its_pipeline_the_same_answers_one_request_at_a_time(server, reference):
     """Deployment(fused_pipeline=False): every request answered from execute, none through the response
-    sender; its answers are the pipelined model's bits (the module's server has the pipeline on)."""
+    sender (its phase "send", the sender's, never counted there; it is on the module's server, whose
+    pipeline is on); its answers are the pipelined model's bits."""
     from backends.deploy.launcher import deployment_server
     from backends.deploy.repository import Deployment
 
@@ -192,12 +193,16 @@ def test_without_its_pipeline_the_same_answers_one_request_at_a_time(server, ref
     piped = _client(server)
     p = piped.infer(ids, blobs)
     piped.close()
-    with deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=False), "fused-inline") as inline:
+    assert phase_seconds_after(server, FUSED, "send", settled(lambda: fused_steps(server))) > 0
+    with deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=False), "fused-inline",
+                           env={"KIMI_PHASES": "1"}) as inline:
         client = _client(inline)
         r = client.infer(ids, blobs)
         with pytest.raises(InferenceServerException, match="placeholder"):
             client.infer(chat_prompt_ids(1), blobs)  # a bad one, and the next is served
         again = client.infer(ids, blobs)
         client.close()
+        assert phase_seconds_after(inline, FUSED, "forward launched", 3) > 0  # its phases are counted
+        assert phase_seconds_after(inline, FUSED, "send", 3) == 0
     assert r.expanded_ids.tolist() == expanded and r.grid_thws.tolist() == grids.tolist()
     assert np.array_equal(r.image_embeds, p.image_embeds) and np.array_equal(again.image_embeds, p.image_embeds)

@@ -49,20 +49,6 @@ def test_the_answer_equals_the_pieces(step):
     assert torch.equal(out[IMAGE_EMBEDS], embeds)
 
 
-def test_prepare_then_encode_is_the_whole_step(step):
-    """The pipeline's two stages (prepare on the caller's thread, encode on the worker's) give the answer
-    of the step called whole."""
-    images, ids = blobs(), chat_prompt_ids(2, text_ids=[7, 8])
-    whole = step(np.asarray(ids), images)
-    prepared = step.prepare(np.asarray(ids), images)
-    assert PIXEL_VALUES in prepared and IMAGE_EMBEDS not in prepared
-    split = step.encode(prepared)
-    assert PIXEL_VALUES not in split and sorted(split) == sorted(whole)
-    for name in (EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS):
-        assert np.array_equal(split[name], whole[name]), name
-    assert torch.equal(split[IMAGE_EMBEDS], whole[IMAGE_EMBEDS])
-
-
 def test_without_embeds_the_encoder_does_not_run_and_the_rest_is_the_same(step, monkeypatch):
     images, ids = blobs(), chat_prompt_ids(2)
     full = step(np.asarray(ids), images)

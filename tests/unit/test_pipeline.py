@@ -93,7 +93,7 @@ def test_a_full_pipeline_holds_the_caller_until_the_worker_takes_a_job():
     p = Pipeline(lambda job: gate.wait(5), lambda job, handle, error: None, depth=1)
     p.submit(0)  # taken by the worker, which then waits at the gate
     deadline = time.monotonic() + 5
-    while p._queue.qsize() and time.monotonic() < deadline:
+    while p._waiting and time.monotonic() < deadline:
         time.sleep(0.01)
     p.submit(1)  # waits in the queue (depth 1)
     third = threading.Thread(target=p.submit, args=(2,))
@@ -111,10 +111,34 @@ def test_close_answers_what_was_submitted_and_refuses_more():
     p = Pipeline(lambda job: (time.sleep(0.01), job)[1], lambda job, handle, error: got.append(job), depth=4)
     for job in range(5):
         p.submit(job)
-    p.close()
+    assert p.close() is True
     assert got == list(range(5))
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(5)
+
+
+def test_a_worker_that_cannot_start_answers_every_job_and_refuses_more(caplog):
+    """Its context fails on entry: the job already waiting is finished with that error (not left without
+    an answer), and later submits are refused with it."""
+    got = []
+    entered = threading.Event()
+
+    class Broken:
+        def __enter__(self):
+            entered.wait(5)
+            raise OSError("no device")
+
+        def __exit__(self, *exc):
+            return False
+
+    p = Pipeline(lambda job: job, lambda job, handle, error: got.append((job, handle, error)), context=Broken)
+    p.submit("waiting")
+    entered.set()
+    p._thread.join(5)
+    assert [(j, h, type(e)) for j, h, e in got] == [("waiting", None, OSError)]
+    with pytest.raises(RuntimeError, match="no device"):
+        p.submit("later")
+    assert "the pipeline's worker stopped" in caplog.text
 
 
 def test_the_worker_runs_inside_its_context():
@@ -152,7 +176,7 @@ def test_up_to_in_flight_jobs_are_launched_before_the_oldest_is_answered():
         launched_unfinished[0] -= 1
         log.add("finish", job)
 
-    p = Pipeline(launch, finish, depth=4, in_flight=3)
+    p = Pipeline(launch, finish, depth=5, in_flight=3)  # room for jobs 1-5 while job 0 holds the worker
     for job in range(6):
         p.submit(job)
     gate.set()

@@ -1,0 +1,167 @@
+"""FusedModel with its pipeline on, without a server: the adapter's three stages (`_accept` in execute,
+`_launch` and `_finish` on the worker) around a real FusedStep on the CPU, a stand-in for pb_utils and
+requests whose response senders record what they are sent. Every request gets exactly one answer:
+through its sender (FINAL) once handed to the worker, from execute otherwise."""
+
+import importlib
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from backends.config import DEMO_CONFIG
+from backends.serving.pipeline import Pipeline, Streams
+from backends.serving.steps import FusedStep
+from backends.weights.seeded import seeded_model
+from clients.samples import encode, photo_like
+from contract import IMAGE_EMBEDS, IMAGES, INPUT_IDS, chat_prompt_ids
+
+FINAL = 1
+
+
+def _stand_in():
+    pb = types.ModuleType("triton_python_backend_utils")
+
+    class TritonError:
+        INVALID_ARG, CANCELLED, UNAVAILABLE, INTERNAL = "invalid", "cancelled", "unavailable", "internal"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    class Tensor:
+        def __init__(self, name, array):
+            self.name, self.value = name, np.asarray(array)
+
+        @classmethod
+        def from_dlpack(cls, name, capsule):
+            return cls(name, torch.utils.dlpack.from_dlpack(capsule).float().numpy())
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=(), error=None):
+            self.outputs = {t.name: t.value for t in output_tensors}
+            self.error = error
+
+    pb.TritonError, pb.Tensor, pb.InferenceResponse = TritonError, Tensor, InferenceResponse
+    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+    return pb
+
+
+@pytest.fixture(scope="module")
+def triton_models():
+    saved = {name: sys.modules.get(name) for name in ("triton_python_backend_utils", "backends.serving.triton_models")}
+    sys.modules["triton_python_backend_utils"] = _stand_in()
+    sys.modules.pop("backends.serving.triton_models", None)
+    try:
+        yield importlib.import_module("backends.serving.triton_models")
+    finally:  # the module imported against the stand-in goes; whatever was there before comes back
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+
+
+class Sender:
+    def __init__(self, cancelled=False):
+        self.sent, self.cancelled = [], cancelled
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class Request:
+    def __init__(self, ids, images, outputs=(IMAGE_EMBEDS, "EXPANDED_IDS"), cancelled_at_worker=False):
+        self.ids, self.images, self.outputs = np.asarray(ids), images, list(outputs)
+        self.sender = Sender(cancelled_at_worker)
+
+    def requested_output_names(self):
+        return self.outputs
+
+    def is_cancelled(self):
+        return False
+
+    def get_response_sender(self):
+        return self.sender
+
+
+def _inputs(request):
+    def numpy(name, optional=False):
+        return request.ids if name == INPUT_IDS else None
+
+    return SimpleNamespace(request=request, numpy=numpy, shape_outputs=lambda out: out,
+                           bytes_list=lambda name, optional=False: request.images if name == IMAGES else None)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return FusedStep(DEMO_CONFIG, seeded_model(DEMO_CONFIG.encoder))
+
+
+@pytest.fixture
+def model(triton_models, step):
+    m = triton_models.FusedModel.__new__(triton_models.FusedModel)
+    m.name, m.step, m.forwarded, m.pipelined = "kimi_k25_vision_fused", step, [], True
+    m.metrics = SimpleNamespace(decodes=lambda counts: None, preprocessed=lambda images, patches: None,
+                                failure=lambda exc: None, phases=lambda seconds: None, step_time=lambda s: None)
+    m.inputs = _inputs
+    m.gpu_lock, m.streams, m._next_lane = threading.Lock(), Streams(torch.device("cpu")), 0
+    m.pipeline = Pipeline(m._launch, m._finish, in_flight=2)
+    yield m
+    m.pipeline.close()
+
+
+def blobs():
+    return [encode(photo_like(320, 240, seed=5), "JPEG", quality=90)]
+
+
+def test_a_request_handed_to_the_worker_is_answered_once_through_its_sender(model, step):
+    ids = chat_prompt_ids(1, text_ids=[3, 4])
+    requests = [Request(ids, blobs()) for _ in range(3)]
+    assert model._execute(requests[:2]) == [None, None]  # handed over: answered later
+    assert model._execute(requests[2:]) == [None]
+    model.pipeline.close()
+    whole = step(np.asarray(ids), blobs())
+    for r in requests:
+        (response, flags), = r.sender.sent
+        assert flags == FINAL and response.error is None
+        np.testing.assert_array_equal(response.outputs[IMAGE_EMBEDS], whole[IMAGE_EMBEDS].numpy())
+        np.testing.assert_array_equal(response.outputs["EXPANDED_IDS"], whole["EXPANDED_IDS"])
+
+
+def test_without_image_embeds_execute_answers_itself(model):
+    r = Request(chat_prompt_ids(1), blobs(), outputs=("EXPANDED_IDS",))
+    (response,) = model._execute([r])
+    assert response is not None and response.error is None and IMAGE_EMBEDS not in response.outputs
+    model.pipeline.close()
+    assert r.sender.sent == []
+
+
+def test_a_request_cancelled_before_its_forward_gets_its_error_through_the_sender(model):
+    r = Request(chat_prompt_ids(1), blobs(), cancelled_at_worker=True)
+    assert model._execute([r]) == [None]
+    model.pipeline.close()
+    (response, flags), = r.sender.sent
+    assert flags == FINAL and response.error.code == "cancelled" and "before the encoder ran" in response.error.message
+
+
+def test_a_bad_request_is_answered_by_execute_and_the_next_one_is_served(model):
+    bad, good = Request(chat_prompt_ids(2), blobs()), Request(chat_prompt_ids(1), blobs())
+    responses = model._execute([bad, good])
+    assert responses[0].error.code == "invalid" and "placeholder" in responses[0].error.message
+    assert responses[1] is None
+    model.pipeline.close()
+    assert bad.sender.sent == [] and len(good.sender.sent) == 1 and good.sender.sent[0][0].error is None
+
+
+def test_after_close_a_request_is_refused_by_execute(model):
+    model.pipeline.close()
+    r = Request(chat_prompt_ids(1), blobs())
+    (response,) = model._execute([r])
+    assert response.error.code == "internal" and "closed" in response.error.message
+    assert r.sender.sent == []
