@@ -178,9 +178,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
                     help="own server: per GPU; 0 = the default (KIMI_PREPROCESS_INSTANCES, as the launcher reads it)")
     ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction,
-                    default=env_flag("KIMI_FUSED_PIPELINE", True),
+                    default=env_flag("KIMI_FUSED_PIPELINE", False),
                     help="own server: kimi_k25_vision_fused preprocesses a request while its encoder runs the previous "
-                         "one (default on, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
+                         "one (default off, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "

@@ -8,6 +8,7 @@ replays its graphs) and compares with the plain ensemble's answer, then `--concu
 `--rounds` rounds (the lanes' replays side by side) and compares every answer with the first.
 
     python -m tools.lanes_probe --checkpoint /tmp/kimi-random [--lanes 2] [--concurrency 16] [--rounds 3]
+    python -m tools.lanes_probe --device cpu --concurrency 8 --rounds 2   # the demo model on the CPU
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ def _once(url: str, model: str, ids, blobs) -> np.ndarray:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", default="", help="default: the embedded demo model")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="gpu",
+                    help="cpu: the pipeline's threads and answers without lanes (a smoke run)")
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    dep = Deployment(device="gpu", checkpoint=args.checkpoint, fused=True, fused_lanes=args.lanes)
+    dep = Deployment(device=args.device, checkpoint=args.checkpoint, fused=True, fused_pipeline=True,
+                     fused_lanes=args.lanes)
+    lanes = f"{args.lanes} lane(s)" if args.device == "gpu" else "CPU, no lanes"
     bad = 0
     with deployment_server(dep, "lanes-probe") as server:
         for name, blobs in CASES.items():
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
                                       range(args.concurrency * args.rounds)))
             same_burst = sum(np.array_equal(b, alone[0]) for b in burst)
             worst = max(float(np.abs(b.astype(np.float64) - alone[0]).max()) for b in burst)
-            print(f"{name}, {args.lanes} lane(s): one at a time {same_alone} of {len(alone)} equal to the ensemble's "
+            print(f"{name}, {lanes}: one at a time {same_alone} of {len(alone)} equal to the ensemble's "
                   f"answer; at concurrency {args.concurrency} {same_burst} of {len(burst)} equal to one at a time "
                   f"(largest difference {worst:g})", flush=True)
             bad += (len(alone) - same_alone) + (len(burst) - same_burst)

@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         mps_default = env_flag("KIMI_MPS", False)
         fused_default = env_flag("KIMI_FUSED", False)
-        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", True)
+        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", False)
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=fused_default,
@@ -481,8 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "time (README: One model or the ensemble); it loads its own copy of the weights")
     ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction, default=pipeline_default,
                     help="with --fused: preprocess a request while the encoder runs the previous one, in the fused "
-                         "model's one process (default on, KIMI_FUSED_PIPELINE; off answers one request at a time, "
-                         "about 1 ms sooner; README: One model or the ensemble)")
+                         "model's one process, for throughput (default off, KIMI_FUSED_PIPELINE; README: One model or "
+                         "the ensemble)")
     ap.add_argument("--fused-lanes", type=int, default=int(os.environ.get("KIMI_FUSED_LANES", "2")),
                     help="with --fused and its pipeline, on a GPU: encoder forwards that may run side by side "
                          "(default 2, KIMI_FUSED_LANES; each lane keeps its own CUDA graphs)")

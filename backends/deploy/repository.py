@@ -56,8 +56,9 @@ class Deployment:
     # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.
     fused: bool = False
     # The fused model's two-stage pipeline (backends/serving/pipeline.py): a request's preprocessing runs
-    # beside the previous request's encoder forward, in one process; off, one request at a time.
-    fused_pipeline: bool = True
+    # beside the previous request's encoder forward, in one process; off (the default), one request at a
+    # time, answered from execute (README: One model or the ensemble says why it is opt-in).
+    fused_pipeline: bool = False
     # GPU, with the pipeline: encoder forwards of the fused model that may run side by side on their own
     # CUDA streams (one copy of the weights, each lane its own CUDA graphs); 1 = one at a time.
     fused_lanes: int = 2

@@ -25,8 +25,8 @@ def placement_problems(server: TritonServer) -> list[str]:
 
 
 def start(name: str, pool: int | None = None, fused: bool = False) -> TritonServer:
-    # every visible GPU, a pool on each
-    dep = Deployment(device="gpu", gpus=torch.cuda.device_count(), fused=fused)
+    # every visible GPU, a pool on each; the fused model with its pipeline and two encoder lanes (opt-in)
+    dep = Deployment(device="gpu", gpus=torch.cuda.device_count(), fused=fused, fused_pipeline=fused)
     return deployment_server(dep, name, cuda_pools={g: pool for g in range(dep.gpus)} if pool else dep.cuda_pools()).start()
 
 

@@ -86,7 +86,8 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
 
 
 def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
-    server = deployment_server(Deployment(device="cpu", fused=True), "faults")
+    # the fused model with its pipeline: requests held by its worker must not outlive a killed stub unanswered
+    server = deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=True), "faults")
     server.kept_log("previous").unlink(missing_ok=True)  # an earlier run's
     prefixes = []
     server.start()

@@ -1,5 +1,6 @@
 """kimi_k25_vision_fused on a real tritonserver: the ensemble's contract and answers from one model whose
-instance runs the three steps in one process (the test server renders it: Deployment(fused=True))."""
+instance runs the three steps in one process (the session's server renders it with its pipeline:
+Deployment(fused=True, fused_pipeline=True); one test starts it without)."""
 
 import numpy as np
 import pytest
@@ -154,7 +155,7 @@ def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
     from backends.deploy.repository import Deployment
 
     blobs = [encode(photo_like(1024, 1024, seed=i), "JPEG", quality=90) for i in range(4)]
-    with deployment_server(Deployment(device="cpu", fused=True, max_queue=1), "fused-queue") as server:
+    with deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=True, max_queue=1), "fused-queue") as server:
         results = []
 
         def one():
@@ -183,9 +184,9 @@ def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
 
 
 def test_without_its_pipeline_the_same_answers_one_request_at_a_time(server, reference):
-    """Deployment(fused_pipeline=False): every request answered from execute, none through the response
-    sender (its phase "send", the sender's, never counted there; it is on the module's server, whose
-    pipeline is on); its answers are the pipelined model's bits."""
+    """Deployment(fused_pipeline=False), the default: every request answered from execute, none through the
+    response sender (its phase "send", the sender's, never counted there; it is on the session's server,
+    whose pipeline is on); its answers are the pipelined model's bits."""
     from backends.deploy.launcher import deployment_server
     from backends.deploy.repository import Deployment
 
@@ -194,7 +195,7 @@ def test_without_its_pipeline_the_same_answers_one_request_at_a_time(server, ref
     p = piped.infer(ids, blobs)
     piped.close()
     assert phase_seconds_after(server, FUSED, "send", settled(lambda: fused_steps(server))) > 0
-    with deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=False), "fused-inline",
+    with deployment_server(Deployment(device="cpu", fused=True), "fused-inline",
                            env={"KIMI_PHASES": "1"}) as inline:
         client = _client(inline)
         r = client.infer(ids, blobs)

@@ -43,10 +43,12 @@ def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement()
         assert fused.instance_group == encoder.instance_group
         assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
         assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
-        # its two-stage pipeline on by default, off when the deployment says so
-        assert fused.parameters["pipeline"].string_value == "yes"
-        off = model_configs(Deployment(device=device, fused=True, fused_pipeline=False))["kimi_k25_vision_fused"]
-        assert off.parameters["pipeline"].string_value == "no"
+        # its two-stage pipeline off by default, on when the deployment says so, with its lanes
+        assert fused.parameters["pipeline"].string_value == "no"
+        on = model_configs(Deployment(device=device, fused=True, fused_pipeline=True, fused_lanes=3))["kimi_k25_vision_fused"]
+        assert on.parameters["pipeline"].string_value == "yes" and on.parameters["encoder_lanes"].string_value == "3"
+    with pytest.raises(ValueError, match="fused_lanes"):
+        Deployment(fused=True, fused_lanes=0)
 
 
 def test_gpu_deployment_differs_only_in_placement_and_dtypes():
