@@ -259,7 +259,9 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
-      python3 -m tools.lanes_probe --checkpoint /tmp/kimi-random > "$out/lanes_probe.md" 2>&1; tail -8 "$out/lanes_probe.md" ;;
+      # SIGINT, not SIGTERM: the probe unwinds and stops its server (a SIGTERM left it running)
+      timeout -s INT -k 60 ${LANES_TIMEOUT:-400} python3 -m tools.lanes_probe --checkpoint /tmp/kimi-random \
+        > "$out/lanes_probe.md" 2>&1; tail -8 "$out/lanes_probe.md" ;;
     scanprobe)  # the JPEG scan check on this host's cores: time per thread count and phases, threaded verdicts
       { python3 -m tools.scan_check_probe --phases 2>&1; python3 -m tools.scan_check_probe --agreement 4 2>&1; } \
         > "$out/scan_check_probe.md"; grep -v "^threads" "$out/scan_check_probe.md" ;;

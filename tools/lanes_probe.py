@@ -30,10 +30,14 @@ CASES = {
 }
 
 
-def _once(url: str, model: str, ids, blobs) -> np.ndarray:
+def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Exception:
+    """The answer's embeddings, or what went wrong (a request past its deadline included: a hang shows
+    as a count of failed requests and their messages, not as a probe that never returns)."""
     client = KimiVisionClient(url, model=model)
     try:
-        return client.infer(ids, blobs).image_embeds
+        return client.infer(ids, blobs, timeout_s=timeout_s).image_embeds
+    except Exception as exc:  # noqa: BLE001 - counted and shown below
+        return exc
     finally:
         client.close()
 
@@ -46,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=60.0, help="each request's deadline, seconds")
     args = ap.parse_args(argv)
     dep = Deployment(device=args.device, checkpoint=args.checkpoint, fused=True, fused_pipeline=True,
                      fused_lanes=args.lanes)
@@ -54,12 +59,19 @@ def main(argv=None) -> int:
     with deployment_server(dep, "lanes-probe") as server:
         for name, blobs in CASES.items():
             ids = chat_prompt_ids(len(blobs))
-            ensemble = _once(server.grpc_url, "kimi_k25_vision", ids, blobs)
-            alone = [_once(server.grpc_url, FUSED, ids, blobs) for _ in range(6)]
-            same_alone = sum(np.array_equal(a, ensemble) for a in alone)
+            t = args.timeout
+            ensemble = _once(server.grpc_url, "kimi_k25_vision", ids, blobs, t)
+            alone = [_once(server.grpc_url, FUSED, ids, blobs, t) for _ in range(6)]
             with ThreadPoolExecutor(args.concurrency) as pool:
-                burst = list(pool.map(lambda _: _once(server.grpc_url, FUSED, ids, blobs),
+                burst = list(pool.map(lambda _: _once(server.grpc_url, FUSED, ids, blobs, t),
                                       range(args.concurrency * args.rounds)))
+            failed = [r for r in [ensemble, *alone, *burst] if isinstance(r, Exception)]
+            if failed:
+                print(f"{name}, {lanes}: {len(failed)} of {1 + len(alone) + len(burst)} requests failed, e.g. "
+                      f"{'; '.join(sorted({str(e)[:200] for e in failed})[:3])}", flush=True)
+                bad += len(failed)
+                continue
+            same_alone = sum(np.array_equal(a, ensemble) for a in alone)
             same_burst = sum(np.array_equal(b, alone[0]) for b in burst)
             worst = max(float(np.abs(b.astype(np.float64) - alone[0]).max()) for b in burst)
             print(f"{name}, {lanes}: one at a time {same_alone} of {len(alone)} equal to the ensemble's "
