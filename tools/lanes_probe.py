@@ -14,6 +14,8 @@ replays its graphs) and compares with the plain ensemble's answer, then `--concu
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +44,20 @@ def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Ex
         client.close()
 
 
+def _dump_fused_stacks() -> int:
+    """SIGUSR1 to every process serving the fused model (its adapter registers faulthandler on it)."""
+    sent = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if FUSED.encode() + b"/1/model.py" in f.read():
+                    os.kill(int(pid), signal.SIGUSR1)
+                    sent += 1
+        except OSError:
+            continue
+    return sent
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="", help="default: the embedded demo model")
@@ -50,7 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--timeout", type=float, default=60.0, help="each request's deadline, seconds")
+    ap.add_argument("--timeout", type=float, default=20.0,
+                    help="each request's deadline, seconds; the first one missed stops the case and has the fused "
+                         "model's stub write every thread's stack into the server's log (SIGUSR1)")
     args = ap.parse_args(argv)
     dep = Deployment(device=args.device, checkpoint=args.checkpoint, fused=True, fused_pipeline=True,
                      fused_lanes=args.lanes)
@@ -61,12 +79,20 @@ def main(argv=None) -> int:
             ids = chat_prompt_ids(len(blobs))
             t = args.timeout
             ensemble = _once(server.grpc_url, "kimi_k25_vision", ids, blobs, t)
-            alone = [_once(server.grpc_url, FUSED, ids, blobs, t) for _ in range(6)]
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                burst = list(pool.map(lambda _: _once(server.grpc_url, FUSED, ids, blobs, t),
-                                      range(args.concurrency * args.rounds)))
+            alone = []
+            for _ in range(6):  # one at a time; a failure stops the case here
+                alone.append(_once(server.grpc_url, FUSED, ids, blobs, t))
+                if isinstance(alone[-1], Exception):
+                    break
+            burst = []
+            if not any(isinstance(r, Exception) for r in [ensemble, *alone]):
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    burst = list(pool.map(lambda _: _once(server.grpc_url, FUSED, ids, blobs, t),
+                                          range(args.concurrency * args.rounds)))
             failed = [r for r in [ensemble, *alone, *burst] if isinstance(r, Exception)]
             if failed:
+                dumped = _dump_fused_stacks()
+                print(f"{name}: stacks of {dumped} fused stub(s) written to {server.log_path}", flush=True)
                 print(f"{name}, {lanes}: {len(failed)} of {1 + len(alone) + len(burst)} requests failed, e.g. "
                       f"{'; '.join(sorted({str(e)[:200] for e in failed})[:3])}", flush=True)
                 bad += len(failed)

@@ -50,7 +50,7 @@ class Deployment:
     # How long moonvit3d's batcher waits for more requests. 0: no window; requests that queue while the
     # encoder is busy are still batched, and nobody pays for waiting when there is nothing to batch.
     batch_delay_us: int = 0
-    max_queue: int = 16  # requests waiting for moonvit3d (and for the fused model); beyond it one is refused
+    max_queue: int = 16  # requests waiting for moonvit3d (and the fused model with its pipeline); beyond, refused
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
     # Also serve kimi_k25_vision_fused: the ensemble's contract from one model whose instances
     # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.
@@ -68,8 +68,8 @@ class Deployment:
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if self.preprocess_instances == 0:
             object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
-        if self.fused_lanes < 1:
-            raise ValueError(f"fused_lanes must be at least 1, got {self.fused_lanes}")
+        if not 1 <= self.fused_lanes <= 8:  # each lane takes three of torch's 32 pooled streams per GPU
+            raise ValueError(f"fused_lanes must be 1 to 8, got {self.fused_lanes}")
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -222,18 +222,23 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
-    # Each encoder holder: its batching window (the fused model takes no batch dimension, so each of its
-    # executions holds one request: tritonserver 2.51 accepts a dynamic batcher on such a model, for its
-    # queue policy alone).
+    # Each encoder holder: its graphs on a GPU, and a dynamic batcher for its batching window and its
+    # bounded queue. The fused model takes no batch dimension, so each of its executions holds one request:
+    # tritonserver 2.51 accepts a dynamic batcher on such a model, for its queue policy alone. Only with
+    # its pipeline: answered from execute, a request that came as the previous one finished often waited
+    # in that batcher about 500 ms (its idle wait) on the CPU, and not with the pipeline, whose execute
+    # returns early (docs/triton_runtime.md#one-model-or-the-ensemble).
     encoders = {ENCODER: dep.batch_delay_us}
     if dep.fused:
         dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0)
         dicts[FUSED]["parameters"]["pipeline"] = {"string_value": "yes" if dep.fused_pipeline else "no"}
         dicts[FUSED]["parameters"]["encoder_lanes"] = {"string_value": str(dep.fused_lanes)}
-        encoders[FUSED] = 0
+        encoders[FUSED] = 0 if dep.fused_pipeline else None
     for name, delay_us in encoders.items():
         if dep.device == "gpu":
             dicts[name]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+        if delay_us is None:
+            continue
         # The queue is bounded so that the CUDA pool (sized from it) can never run short under load: an
         # overloaded server refuses requests ("Exceeds maximum queue size") instead of computing on zeros.
         dicts[name]["dynamic_batching"] = {"max_queue_delay_microseconds": delay_us,

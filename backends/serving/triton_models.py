@@ -9,8 +9,10 @@ host numpy arrays, and empty tensors (whose DLPack export fails in the 2.51 stub
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
+import signal
 import threading
 import time
 import traceback
@@ -317,6 +319,9 @@ class FusedModel(_Adapter):
                               cuda_graphs=self.settings.cuda_graphs,
                               capture_lock=self.gpu_lock if self.pipelined else None, lanes=lanes)
         if self.pipelined:
+            # Every thread's stack into the server's log on SIGUSR1 (tools/lanes_probe.py sends it when a
+            # request passes its deadline): where a stuck request waits.
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
             self.streams = Streams(torch.device(self.settings.device), lanes=lanes)
             self._next_lane = 0
             self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,

@@ -146,9 +146,10 @@ def test_the_cli_asks_the_fused_model_by_name(server, tmp_path, capsys):
 
 
 def test_a_full_queue_refuses_clearly_and_the_rest_are_served():
-    """Its own server with room for one waiting request: of eight heavy requests sent at once, some are
-    refused with tritonserver's queue error, at least the running one and the waiting one are answered
-    (how many more the server takes in is its own business), whole, and the server serves on."""
+    """Its own server, the pipeline on (the queue bound comes with it), room for one waiting request in the
+    server's queue: of eight heavy requests sent at once, some are refused with tritonserver's queue error,
+    at least the running one and the waiting one are answered (the pipeline takes in a few more; how many
+    is its own business), whole, and the server serves on."""
     import threading
 
     from backends.deploy.launcher import deployment_server

@@ -31,24 +31,25 @@ def test_rendered_repositories_validate(tmp_path, device, fused):
 
 def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement():
     """Same inputs and outputs as the plain ensemble (a client switches by name alone); instances where
-    moonvit3d's are, one request at a time (no batch dimension), the encoder's graphs on a GPU."""
+    moonvit3d's are, one request at a time (no batch dimension), the encoder's graphs on a GPU. Its
+    pipeline off by default, and then no dynamic batcher (answered from execute, a request could wait in
+    one ~500 ms); with its pipeline, its lanes and a bounded queue as moonvit3d's, no batching window."""
     for device in ("cpu", "gpu"):
         configs = model_configs(Deployment(device=device, fused=True, encoder_instances=2))
         fused, ensemble, encoder = configs["kimi_k25_vision_fused"], configs["kimi_k25_vision"], configs["moonvit3d"]
         assert fused.input == ensemble.input and fused.output == ensemble.output
         assert fused.max_batch_size == 0  # one request per execution, no batch dimension
-        # its waiting requests bounded as moonvit3d's are, with no batching window
-        assert fused.dynamic_batching.default_queue_policy.max_queue_size == Deployment().max_queue
-        assert fused.dynamic_batching.max_queue_delay_microseconds == 0
         assert fused.instance_group == encoder.instance_group
         assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
         assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
-        # its two-stage pipeline off by default, on when the deployment says so, with its lanes
-        assert fused.parameters["pipeline"].string_value == "no"
+        assert fused.parameters["pipeline"].string_value == "no" and not fused.HasField("dynamic_batching")
         on = model_configs(Deployment(device=device, fused=True, fused_pipeline=True, fused_lanes=3))["kimi_k25_vision_fused"]
         assert on.parameters["pipeline"].string_value == "yes" and on.parameters["encoder_lanes"].string_value == "3"
-    with pytest.raises(ValueError, match="fused_lanes"):
-        Deployment(fused=True, fused_lanes=0)
+        assert on.dynamic_batching.default_queue_policy.max_queue_size == Deployment().max_queue
+        assert on.dynamic_batching.max_queue_delay_microseconds == 0
+    for lanes in (0, 9):
+        with pytest.raises(ValueError, match="fused_lanes"):
+            Deployment(fused=True, fused_lanes=lanes)
 
 
 def test_gpu_deployment_differs_only_in_placement_and_dtypes():
