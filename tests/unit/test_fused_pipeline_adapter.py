@@ -165,3 +165,29 @@ def test_after_close_a_request_is_refused_by_execute(model):
     (response,) = model._execute([r])
     assert response.error.code == "internal" and "closed" in response.error.message
     assert r.sender.sent == []
+
+
+def test_setup_reads_the_pipeline_and_its_lanes_from_the_config(triton_models, monkeypatch):
+    """The rendered parameters `pipeline` and `encoder_lanes`: lanes apply to a GPU pipeline only (on the
+    CPU one), the worker keeps lanes + 1 jobs in flight, a lane count below one is refused by name."""
+    from backends.serving.steps import ModelSettings
+
+    monkeypatch.setattr(triton_models, "_load_encoder", lambda settings, config: seeded_model(DEMO_CONFIG.encoder))
+
+    def made(pipeline: str, lanes: str):
+        m = triton_models.FusedModel.__new__(triton_models.FusedModel)
+        m.name, m.settings = "kimi_k25_vision_fused", ModelSettings(device="cpu", vision=DEMO_CONFIG)
+        m.config = {"parameters": {"pipeline": {"string_value": pipeline}, "encoder_lanes": {"string_value": lanes}}}
+        m.setup()
+        return m
+
+    on = made("yes", "2")
+    try:
+        assert on.pipelined and on.streams.lanes == 1 and len(on.step.encoders) == 1
+        assert on.pipeline._in_flight == 2
+    finally:
+        on.pipeline.close()
+    off = made("no", "2")
+    assert not off.pipelined and not hasattr(off, "pipeline") and len(off.step.encoders) == 1
+    with pytest.raises(ValueError, match="encoder_lanes"):
+        made("yes", "0")
