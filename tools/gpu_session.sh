@@ -260,8 +260,9 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
       # SIGINT, not SIGTERM: the probe unwinds and stops its server (a SIGTERM left it running)
+      # LANES_ARGS adds probe arguments, e.g. "--lanes 1 --cases 8x448" (one lane, that case first)
       timeout -s INT -k 60 ${LANES_TIMEOUT:-400} python3 -m tools.lanes_probe --checkpoint /tmp/kimi-random \
-        > "$out/lanes_probe.md" 2>&1; tail -8 "$out/lanes_probe.md" ;;
+        ${LANES_ARGS:-} > "$out/lanes_probe.md" 2>&1; tail -8 "$out/lanes_probe.md" ;;
     scanprobe)  # the JPEG scan check on this host's cores: time per thread count and phases, threaded verdicts
       { python3 -m tools.scan_check_probe --phases 2>&1; python3 -m tools.scan_check_probe --agreement 4 2>&1; } \
         > "$out/scan_check_probe.md"; grep -v "^threads" "$out/scan_check_probe.md" ;;

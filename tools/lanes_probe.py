@@ -7,7 +7,7 @@ workspace would go unseen there. This serves the real-size random checkpoint wit
 replays its graphs) and compares with the plain ensemble's answer, then `--concurrency` at once for
 `--rounds` rounds (the lanes' replays side by side) and compares every answer with the first.
 
-    python -m tools.lanes_probe --checkpoint /tmp/kimi-random [--lanes 2] [--concurrency 16] [--rounds 3]
+    python -m tools.lanes_probe --checkpoint /tmp/kimi-random [--lanes 2] [--cases 8x448,1024] [--concurrency 16]
     python -m tools.lanes_probe --device cpu --concurrency 8 --rounds 2   # the demo model on the CPU
 """
 
@@ -30,6 +30,9 @@ CASES = {
     "1 x 1024^2": [encode(photo_like(1024, 1024, seed=1), "JPEG", quality=90)],
     "8 x 448^2": [encode(photo_like(448, 448, seed=10 + i), "JPEG", quality=90) for i in range(8)],
 }
+
+
+CASES_BY_FLAG = {"1024": "1 x 1024^2", "8x448": "8 x 448^2"}
 
 
 def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Exception:
@@ -66,16 +69,22 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default=",".join(CASES_BY_FLAG),
+                    help=f"which, in order: a comma-separated subset of {', '.join(CASES_BY_FLAG)}")
     ap.add_argument("--timeout", type=float, default=20.0,
                     help="each request's deadline, seconds; the first one missed stops the case and has the fused "
                          "model's stub write every thread's stack into the server's log (SIGUSR1)")
     args = ap.parse_args(argv)
+    try:
+        cases = {CASES_BY_FLAG[c]: CASES[CASES_BY_FLAG[c]] for c in args.cases.split(",")}
+    except KeyError as exc:
+        raise SystemExit(f"--cases: {exc.args[0]!r} is not one of {', '.join(CASES_BY_FLAG)}") from None
     dep = Deployment(device=args.device, checkpoint=args.checkpoint, fused=True, fused_pipeline=True,
                      fused_lanes=args.lanes)
     lanes = f"{args.lanes} lane(s)" if args.device == "gpu" else "CPU, no lanes"
     bad = 0
     with deployment_server(dep, "lanes-probe") as server:
-        for name, blobs in CASES.items():
+        for name, blobs in cases.items():
             ids = chat_prompt_ids(len(blobs))
             t = args.timeout
             ensemble = _once(server.grpc_url, "kimi_k25_vision", ids, blobs, t)
