@@ -34,6 +34,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import serialize_byte_tensor
 
+from backends import phases
 from backends.config import env_flag
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
                     default=env_flag("KIMI_FUSED_PIPELINE", False),
                     help="own server: kimi_k25_vision_fused preprocesses a request while its encoder runs the previous "
                          "one (default off, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
+    ap.add_argument("--fused-lanes", type=int, default=int(os.environ.get("KIMI_FUSED_LANES", "2")),
+                    help="own server, with --fused-pipeline on a GPU: encoder lanes (default 2, or KIMI_FUSED_LANES)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
@@ -234,7 +237,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
                      preprocess_instances=args.preprocess_instances, fused="fused" in ensembles,
-                     fused_pipeline=args.fused_pipeline, fused_lanes=int(os.environ.get("KIMI_FUSED_LANES", "2")))
+                     fused_pipeline=args.fused_pipeline, fused_lanes=args.fused_lanes)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -247,6 +250,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     server = served or deployment_server(dep, f"perf-{device}", env=mps_env)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows, phase_lines = [], []
+    # KIMI_PHASES=1 (backends/phases.py): our own server inherits it, so its stubs count their phases
+    phases_on = phases.ENABLED and served is None
     t0 = time.monotonic()
     with server:
         # A few requests per ensemble first, so that no measurement window pays for first-call work
@@ -257,7 +262,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             for _ in range(3):
                 client.infer(chat_prompt_ids(len(images)), images)
             client.close()
-        if PHASES_ON:
+        if phases_on:
             time.sleep(0.6)  # the warm-up's phases in before the first reading
         for model, shm, level in runs:
             csv_path = args.out / f"perf_{device}_{model}_{args.images}_shm-{shm}_c{level}.csv"
@@ -270,7 +275,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(output_region)]
             print("$", shlex.join(cmd), flush=True)
             counts_before = encoder_counts(server.grpc_url)
-            phases_before = phase_totals(server.metrics_url) if PHASES_ON else None
+            phases_before = phase_totals(server.metrics_url) if phases_on else None
             try:
                 # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
                 proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
@@ -334,9 +339,6 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
     return 0
-
-
-PHASES_ON = env_flag("KIMI_PHASES", False)  # the server inherits it: its stubs count their phases
 
 
 def phase_totals(metrics_url: str) -> dict[str, dict[str, float]]:
