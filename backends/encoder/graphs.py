@@ -17,6 +17,7 @@ table it reads (TensorCache, hold_tables_for_graph), so an eviction cannot free 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -87,11 +88,8 @@ class GraphedEncoder:
             if not self.seen[key]:  # its capture failed: eager, without retrying on every request
                 return self.model(pixel_values, grids)
             try:
-                if self.capture_lock is None:
+                with self.capture_lock or contextlib.nullcontext():
                     captured = self._capture(pixel_values, grids)
-                else:
-                    with self.capture_lock:
-                        captured = self._capture(pixel_values, grids)
             except Exception:  # noqa: BLE001 - e.g. out of memory in the graph pool; eager still works
                 log.exception("CUDA graph capture failed for grids %s; running them eagerly", grids)
                 self.seen[key] = False

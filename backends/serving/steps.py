@@ -152,6 +152,23 @@ class PreprocessStep:
                 IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
 
 
+class HeldCount:
+    """Device bytes that some encoder steps' CUDA graphs and the per-grid caches keep alive, counted
+    together (a table held by a cache and by graphs counts once), and recounted only when a graph or a
+    cached table may have changed. Counted on the thread that encodes; others read `bytes`."""
+
+    def __init__(self, steps, device):
+        self.steps, self.device = steps, device
+        self.bytes, self._key = 0, None
+
+    def update(self) -> None:
+        key = tuple(s.held_key() for s in self.steps)
+        if key != self._key:
+            tensors = [*(t for s in self.steps for t in s.graph_tensors()), *cached_tensors()]
+            self.bytes = held_bytes(tensors, device=self.device)
+            self._key = key
+
+
 @dataclass
 class EncoderRequest:
     pixel_values: torch.Tensor  # (N, 3, p, p)
@@ -178,7 +195,7 @@ class EncoderStep:
 
             self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs, capture_lock=capture_lock)
         self.merge_tokens = model.cfg.merge_tokens
-        self._cached_bytes, self._cached_key = 0, None
+        self._held = HeldCount([self], model.device)
 
     def cached_bytes(self) -> int:
         """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers and the per-grid
@@ -188,13 +205,7 @@ class EncoderStep:
         Counted on the request thread after each batch, and only when the graphs or a cached table may
         have changed; other threads (the metrics sender) read the last count and never touch the
         graphs themselves, so no graph is ever freed on their side."""
-        return self._cached_bytes
-
-    def _count_cached(self) -> None:
-        key = self.held_key()
-        if key != self._cached_key:
-            self._cached_bytes = held_bytes([*self.graph_tensors(), *cached_tensors()], device=self.model.device)
-            self._cached_key = key
+        return self._held.bytes
 
     def held_key(self) -> tuple:
         """Changes whenever what this step's graphs or the per-grid caches hold may have changed."""
@@ -221,7 +232,7 @@ class EncoderStep:
             return self._run_batch(requests)
         finally:
             if self.count_held:
-                self._count_cached()
+                self._held.update()
 
     def _run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
@@ -296,19 +307,11 @@ class FusedStep:
         self.encoders = [EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock, count_held=False)
                          for _ in range(max(1, lanes))]
         self.encoder = self.encoders[0]
-        self._cached_bytes, self._cached_key = 0, None
+        self._held = HeldCount(self.encoders, model.device)  # all lanes' graphs and the tables, once
 
     def cached_bytes(self) -> int:
-        """What all lanes' graphs and the per-grid caches hold, counted together (a table held by a cache
-        and by graphs counts once); as EncoderStep.cached_bytes, counted on the thread that encodes."""
-        return self._cached_bytes
-
-    def _count_cached(self) -> None:
-        key = tuple(e.held_key() for e in self.encoders)
-        if key != self._cached_key:
-            tensors = [*(t for e in self.encoders for t in e.graph_tensors()), *cached_tensors()]
-            self._cached_bytes = held_bytes(tensors, device=self.encoder.model.device)
-            self._cached_key = key
+        """As EncoderStep.cached_bytes, for all lanes together."""
+        return self._held.bytes
 
     def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None, cancelled_now=None,
                  embeds: bool = True) -> dict:
@@ -349,7 +352,7 @@ class FusedStep:
         try:
             (result,) = self.encoders[lane].run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
         finally:
-            self._count_cached()
+            self._held.update()
         if isinstance(result, Exception):
             raise result
         out[IMAGE_EMBEDS] = result

@@ -291,7 +291,7 @@ class _FusedJob:
     out: dict  # FusedStep.prepare's outputs, PIXEL_VALUES still in
     ready: object  # CUDA event: the preprocessing that wrote PIXEL_VALUES (None on CPU)
     t0: float  # when execute took the request: the step time runs until the answer is sent
-    phases: dict
+    phases: dict  # its phases so far (name -> seconds); the worker adds its own
 
 
 class FusedModel(_Adapter):
@@ -358,8 +358,7 @@ class FusedModel(_Adapter):
                 out, embeds = self._prepare(inputs)
                 ready = self.streams.record_pre() if embeds else None
             if embeds:
-                job = _FusedJob(inputs, request.get_response_sender(), out, ready, t0, {})
-                job.phases = phases.end()
+                job = _FusedJob(inputs, request.get_response_sender(), out, ready, t0, phases.end())
                 self.pipeline.submit(job)  # blocks while the worker is a request behind
                 return None
             response = self.response(inputs, self.step.without_embeds(out))
