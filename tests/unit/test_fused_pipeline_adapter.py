@@ -3,10 +3,7 @@
 requests whose response senders record what they are sent. Every request gets exactly one answer:
 through its sender (FINAL) once handed to the worker, from execute otherwise."""
 
-import importlib
-import sys
 import threading
-import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,49 +16,12 @@ from backends.serving.steps import FusedStep
 from backends.weights.seeded import seeded_model
 from clients.samples import encode, photo_like
 from contract import IMAGE_EMBEDS, IMAGES, INPUT_IDS, chat_prompt_ids
-
-FINAL = 1
-
-
-def _stand_in():
-    pb = types.ModuleType("triton_python_backend_utils")
-
-    class TritonError:
-        INVALID_ARG, CANCELLED, UNAVAILABLE, INTERNAL = "invalid", "cancelled", "unavailable", "internal"
-
-        def __init__(self, message, code):
-            self.message, self.code = message, code
-
-    class Tensor:
-        def __init__(self, name, array):
-            self.name, self.value = name, np.asarray(array)
-
-        @classmethod
-        def from_dlpack(cls, name, capsule):
-            return cls(name, torch.utils.dlpack.from_dlpack(capsule).float().numpy())
-
-    class InferenceResponse:
-        def __init__(self, output_tensors=(), error=None):
-            self.outputs = {t.name: t.value for t in output_tensors}
-            self.error = error
-
-    pb.TritonError, pb.Tensor, pb.InferenceResponse = TritonError, Tensor, InferenceResponse
-    pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
-    return pb
-
+from fake_pb_utils import FINAL, triton_models_against_stand_in
 
 @pytest.fixture(scope="module")
 def triton_models():
-    saved = {name: sys.modules.get(name) for name in ("triton_python_backend_utils", "backends.serving.triton_models")}
-    sys.modules["triton_python_backend_utils"] = _stand_in()
-    sys.modules.pop("backends.serving.triton_models", None)
-    try:
-        yield importlib.import_module("backends.serving.triton_models")
-    finally:  # the module imported against the stand-in goes; whatever was there before comes back
-        for name, module in saved.items():
-            sys.modules.pop(name, None)
-            if module is not None:
-                sys.modules[name] = module
+    with triton_models_against_stand_in() as module:
+        yield module
 
 
 class Sender:

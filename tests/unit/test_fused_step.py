@@ -99,21 +99,12 @@ def test_a_client_that_gave_up_during_preprocessing_costs_no_encoder_time(step, 
 def test_the_adapter_asks_the_server_directly_before_the_encoder(monkeypatch):
     """FusedModel hands the step a throttled question for between the media (not asked within its first
     20 ms) and the request's own is_cancelled for before the encoder (asked at once)."""
-    import importlib
-    import sys
-    import types
+    from fake_pb_utils import triton_models_against_stand_in
 
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
-    kept = sys.modules.pop("backends.serving.triton_models", None)
-    try:
-        triton_models = importlib.import_module("backends.serving.triton_models")
+    with triton_models_against_stand_in() as triton_models:
         # the throttle's window far longer than the test: its first question is never asked
         monkeypatch.setattr(triton_models, "CANCEL_CHECK_S", 3600.0)
         _adapter_wiring(triton_models)
-    finally:  # the module imported against the stand-in goes; whatever was there before comes back
-        sys.modules.pop("backends.serving.triton_models", None)
-        if kept is not None:
-            sys.modules["backends.serving.triton_models"] = kept
 
 
 def _adapter_wiring(triton_models):
