@@ -35,6 +35,18 @@ def env_flag(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE)}")
 
 
+def env_int(name: str, default: int) -> int:
+    """A whole-number setting from the environment: unset or empty gives `default`; anything that is
+    not an integer raises, naming the variable (a bare int() would say only "invalid literal")."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected a whole number") from None
+
+
 @dataclass(frozen=True)
 class TokenIds:
     """Special-token ids the vision path needs. `media_pad` is the one placeholder per image."""

@@ -35,7 +35,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import serialize_byte_tensor
 
 from backends import phases
-from backends.config import env_flag
+from backends.config import env_flag, env_int
 from backends.deploy import mps
 from backends.deploy.repository import Deployment, model_configs
 from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, FUSED, PLACEHOLDER
@@ -176,13 +176,13 @@ def main(argv=None) -> int:
                          "inputs and outputs both go through it, each output region sized from the request")
     ap.add_argument("--encoder-instances", type=int, default=1,
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
-    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
+    ap.add_argument("--preprocess-instances", type=int, default=env_int("KIMI_PREPROCESS_INSTANCES", 0),
                     help="own server: per GPU; 0 = the default (KIMI_PREPROCESS_INSTANCES, as the launcher reads it)")
     ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction,
                     default=env_flag("KIMI_FUSED_PIPELINE", False),
                     help="own server: kimi_k25_vision_fused preprocesses a request while its encoder runs the previous "
                          "one (default off, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
-    ap.add_argument("--fused-lanes", type=int, default=int(os.environ.get("KIMI_FUSED_LANES", "2")),
+    ap.add_argument("--fused-lanes", type=int, default=env_int("KIMI_FUSED_LANES", 2),
                     help="own server, with --fused-pipeline on a GPU: encoder lanes (default 2, or KIMI_FUSED_LANES)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "

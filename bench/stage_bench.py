@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from backends.config import env_int
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import scrape
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
             trigger.parent.mkdir(parents=True, exist_ok=True)
             trigger.touch()
             ids, blobs, _ = requests[args.profile_case or next(iter(requests))]
-            for _ in range(2 * int(os.environ.get("KIMI_PROFILE_CALLS", "5"))):
+            for _ in range(2 * env_int("KIMI_PROFILE_CALLS", 5)):
                 client.infer_into(region, ids, blobs)
         held.close()
         if args.profile:

@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.config import env_flag
+from backends.config import env_flag, env_int
 from backends.deploy import cpu_latency, mps
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
@@ -446,6 +446,14 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Render the repository and serve the Kimi-K2.5 vision ensembles "
                                              "in the foreground until SIGINT/SIGTERM.")
+    try:
+        mps_default = env_flag("KIMI_MPS", False)
+        fused_default = env_flag("KIMI_FUSED", False)
+        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", False)
+        int_defaults = {name: env_int(name, default) for name, default in
+                        [("KIMI_ENCODER_INSTANCES", 1), ("KIMI_PREPROCESS_INSTANCES", 0), ("KIMI_FUSED_LANES", 2)]}
+    except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
+        raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     ap.add_argument("--http-port", type=int, default=8000)
@@ -460,21 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-file", type=Path, default=os.environ.get("KIMI_TRACE_FILE") or None,
                     help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
                          "tracing is turned on through its trace API (README: Trace a request); off until then")
-    ap.add_argument("--encoder-instances", type=int, default=int(os.environ.get("KIMI_ENCODER_INSTANCES", "1")),
+    ap.add_argument("--encoder-instances", type=int, default=int_defaults["KIMI_ENCODER_INSTANCES"],
                     help="moonvit3d instances per GPU (in all on CPU); kimi_k25_vision_fused's too, with --fused")
-    ap.add_argument("--preprocess-instances", type=int, default=int(os.environ.get("KIMI_PREPROCESS_INSTANCES", "0")),
+    ap.add_argument("--preprocess-instances", type=int, default=int_defaults["KIMI_PREPROCESS_INSTANCES"],
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("--cpu-latency-us", type=cpu_latency.limit, default=os.environ.get("KIMI_CPU_LATENCY_US") or None,
                     help="hold the host's CPU wake-up latency limit (/dev/cpu_dma_latency) at this many "
                          "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
                          "states (more idle power; README: Scale out). Off by default; needs write access to "
                          "the device")
-    try:
-        mps_default = env_flag("KIMI_MPS", False)
-        fused_default = env_flag("KIMI_FUSED", False)
-        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", False)
-    except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
-        raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=fused_default,
                     help="also serve kimi_k25_vision_fused: the ensemble's contract from one model whose "
                          "instances run the three steps in one process, for the lowest latency one request at a "
@@ -483,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --fused: preprocess a request while the encoder runs the previous one, in the fused "
                          "model's one process, for throughput (default off, KIMI_FUSED_PIPELINE; README: One model or "
                          "the ensemble)")
-    ap.add_argument("--fused-lanes", type=int, default=int(os.environ.get("KIMI_FUSED_LANES", "2")),
+    ap.add_argument("--fused-lanes", type=int, default=int_defaults["KIMI_FUSED_LANES"],
                     help="with --fused and its pipeline, on a GPU: encoder forwards that may run side by side "
                          "(default 2, KIMI_FUSED_LANES; each lane keeps its own CUDA graphs)")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,

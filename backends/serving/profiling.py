@@ -18,7 +18,7 @@ import pstats
 import threading
 from pathlib import Path
 
-from backends.config import env_flag
+from backends.config import env_flag, env_int
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 class ExecuteProfiler:
     def __init__(self, model: str):
         self.dir = os.environ.get("KIMI_PROFILE_DIR", "")
-        self.skip = int(os.environ.get("KIMI_PROFILE_SKIP", "5"))
-        self.calls = max(1, int(os.environ.get("KIMI_PROFILE_CALLS", "5")))
+        self.skip = env_int("KIMI_PROFILE_SKIP", 5)
+        self.calls = max(1, env_int("KIMI_PROFILE_CALLS", 5))
         # Optional: the window opens only once this file exists (a benchmark creates it after its
         # measured requests; with several instances per model, call counts per instance are unknown).
         self.trigger = os.environ.get("KIMI_PROFILE_TRIGGER", "")
