@@ -450,8 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
         mps_default = env_flag("KIMI_MPS", False)
         fused_default = env_flag("KIMI_FUSED", False)
         pipeline_default = env_flag("KIMI_FUSED_PIPELINE", False)
-        int_defaults = {name: env_int(name, default) for name, default in
-                        [("KIMI_ENCODER_INSTANCES", 1), ("KIMI_PREPROCESS_INSTANCES", 0), ("KIMI_FUSED_LANES", 2)]}
+        encoder_instances = env_int("KIMI_ENCODER_INSTANCES", 1)
+        preprocess_instances = env_int("KIMI_PREPROCESS_INSTANCES", 0)
+        lanes_default = env_int("KIMI_FUSED_LANES", 2)
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
@@ -468,9 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-file", type=Path, default=os.environ.get("KIMI_TRACE_FILE") or None,
                     help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
                          "tracing is turned on through its trace API (README: Trace a request); off until then")
-    ap.add_argument("--encoder-instances", type=int, default=int_defaults["KIMI_ENCODER_INSTANCES"],
+    ap.add_argument("--encoder-instances", type=int, default=encoder_instances,
                     help="moonvit3d instances per GPU (in all on CPU); kimi_k25_vision_fused's too, with --fused")
-    ap.add_argument("--preprocess-instances", type=int, default=int_defaults["KIMI_PREPROCESS_INSTANCES"],
+    ap.add_argument("--preprocess-instances", type=int, default=preprocess_instances,
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
     ap.add_argument("--cpu-latency-us", type=cpu_latency.limit, default=os.environ.get("KIMI_CPU_LATENCY_US") or None,
                     help="hold the host's CPU wake-up latency limit (/dev/cpu_dma_latency) at this many "
@@ -485,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --fused: preprocess a request while the encoder runs the previous one, in the fused "
                          "model's one process, for throughput (default off, KIMI_FUSED_PIPELINE; README: One model or "
                          "the ensemble)")
-    ap.add_argument("--fused-lanes", type=int, default=int_defaults["KIMI_FUSED_LANES"],
+    ap.add_argument("--fused-lanes", type=int, default=lanes_default,
                     help="with --fused and its pipeline, on a GPU: encoder forwards that may run side by side "
                          "(default 2, KIMI_FUSED_LANES; each lane keeps its own CUDA graphs)")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,

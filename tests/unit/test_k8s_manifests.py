@@ -293,7 +293,7 @@ def _number(pattern: str, text: str, what: str) -> float:
 
 def env_read_by_launcher() -> set[str]:
     names = set(re.findall(r"os\.environ(?:\.get\(|\[)\s*[\"']([A-Z0-9_]+)[\"']", LAUNCHER))
-    names |= set(re.findall(r"env_flag\(\s*[\"']([A-Z0-9_]+)[\"']", LAUNCHER))  # backends.config.env_flag
+    names |= set(re.findall(r"env_(?:flag|int)\(\s*[\"']([A-Z0-9_]+)[\"']", LAUNCHER))  # backends.config
     names |= set(re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", ENTRYPOINT))
     return names
 
