@@ -133,7 +133,7 @@ for stage in "$@"; do
       # then share the GPU instead of taking turns): bench/perf.py --mps runs its server under a daemon of
       # its own (backends/deploy/mps.py) and stops it after. MPS_IMAGES=8x448 and MPS_CONCURRENCY=1,16
       # choose other requests and levels; MPS_VARIANTS picks the runs, in order (default "no-mps mps"; a
-      # variant ending in -2enc runs two moonvit3d instances).
+      # variant ending in -2enc runs two moonvit3d instances). MPS_ENSEMBLES=plain,fused adds the fused model.
       perf_setup; random_checkpoint
       one_mps_run() {
         local tag=${MPS_IMAGES:-1024}-$1 extra=()
@@ -143,7 +143,7 @@ for stage in "$@"; do
         # SIGINT, not SIGTERM: Python unwinds and the server it started is stopped with it (and its daemon).
         # -k 90: the server's drain (up to ~35 s) and the daemon's stop (up to 30 s) come before a kill.
         timeout -s INT -k 90 200 "${PERF[@]}" --images ${MPS_IMAGES:-1024} --concurrency ${MPS_CONCURRENCY:-16} \
-          --ensembles plain "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
+          --ensembles ${MPS_ENSEMBLES:-plain} "${extra[@]}" --out "$out/perf-$tag" > "$out/perf_gpu_$tag.log" 2>&1
         if [[ -f "$out/perf-$tag/perf_summary.md" ]]; then
           { echo "### $1"; cat "$out/perf-$tag/perf_summary.md"; } >> "$out/perf_gpu.md"
         else
