@@ -150,13 +150,12 @@ class Streams:
     a capture) first waits for every lane, and every later forward waits for it, so no forward reads a
     table another lane is still writing."""
 
-    def __init__(self, device: torch.device, lanes: int = 1, encoder_priority: int = 0):
+    def __init__(self, device: torch.device, lanes: int = 1):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.lanes = max(1, lanes) if self.cuda else 1
         self.pre = torch.cuda.Stream(device=self.device) if self.cuda else None
-        self.encoders = [torch.cuda.Stream(device=self.device, priority=encoder_priority)
-                         for _ in range(self.lanes)] if self.cuda else [None]
+        self.encoders = [torch.cuda.Stream(device=self.device) for _ in range(self.lanes)] if self.cuda else [None]
         self._last_exclusive = None  # event: the end of the latest forward that did not run side by side
 
     def _on(self, stream) -> contextlib.AbstractContextManager:

@@ -12,7 +12,6 @@ import contextlib
 import faulthandler
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -323,9 +322,7 @@ class FusedModel(_Adapter):
             # Every thread's stack into the server's log on SIGUSR1 (tools/lanes_probe.py sends it when a
             # request passes its deadline): where a stuck request waits.
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-            # EXPERIMENT (KIMI_LANE_PRIORITY, e.g. -5): the lanes' streams at a higher priority than preprocessing's
-            self.streams = Streams(torch.device(self.settings.device), lanes=lanes,
-                                   encoder_priority=int(os.environ.get("KIMI_LANE_PRIORITY", "0")))
+            self.streams = Streams(torch.device(self.settings.device), lanes=lanes)
             self._next_lane = 0
             self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,
                                      context=self.streams.device_context, name=f"{self.name}-encoder")
