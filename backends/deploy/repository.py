@@ -159,15 +159,20 @@ def _ragged(tensors):
 MEDIA_FRAMES_SPEC = _tensor(MEDIA_FRAMES, "TYPE_INT64", [-1], optional=True)
 
 
-def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
-    """One Python-backend model; `count` instances (per GPU for KIND_GPU)."""
+def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int,
+                  host_inputs: bool = False) -> dict:
+    """One Python-backend model; `count` instances (per GPU for KIND_GPU). `host_inputs`: a GPU model whose
+    inputs are all read on the host (the fused model's prompt and images)."""
     params = {
         "checkpoint": dep.checkpoint,
         **{f.name: str(getattr(dep.limits, f.name)) for f in fields(Limits)},
         # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
         "vision_config": dep.vision.to_json(),
-        # GPU instances take their inputs where the previous step left them (no host round-trip).
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
+        # GPU instances take their inputs where the previous step left them (no host round-trip). One
+        # whose inputs are read on the host has the server hand them over in host memory: a client's CUDA
+        # shared memory is then copied out by the server, not by the stub with a blocking copy of its own
+        # from a CUDA stream its preprocessing shares.
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" and not host_inputs else "yes",
     }
     return {
         "name": name,
@@ -230,7 +235,8 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     # returns early (docs/triton_runtime.md#one-model-or-the-ensemble).
     encoders = {ENCODER: dep.batch_delay_us}
     if dep.fused:
-        dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0)
+        dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0,
+                                     host_inputs=True)
         dicts[FUSED]["parameters"]["pipeline"] = {"string_value": "yes" if dep.fused_pipeline else "no"}
         dicts[FUSED]["parameters"]["encoder_lanes"] = {"string_value": str(dep.fused_lanes)}
         encoders[FUSED] = 0 if dep.fused_pipeline else None

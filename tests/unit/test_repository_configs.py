@@ -42,6 +42,9 @@ def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement()
         assert fused.instance_group == encoder.instance_group
         assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
         assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
+        # Its inputs are read on the host: a client's CUDA shared memory is copied out by the server.
+        assert fused.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"
+        assert encoder.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == ("no" if device == "gpu" else "yes")
         assert fused.parameters["pipeline"].string_value == "no" and not fused.HasField("dynamic_batching")
         on = model_configs(Deployment(device=device, fused=True, fused_pipeline=True, fused_lanes=3))["kimi_k25_vision_fused"]
         assert on.parameters["pipeline"].string_value == "yes" and on.parameters["encoder_lanes"].string_value == "3"
