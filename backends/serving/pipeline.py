@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +43,18 @@ class Pipeline:
     `context()` is entered once on the worker thread, around its loop (its CUDA device).
 
     Should the worker ever stop on an error of its own, every job it holds or that waits for it is
-    finished with that error, and `submit` refuses from then on: no request is left without an answer."""
+    finished with that error, and `submit` refuses from then on: no request is left without an answer.
+
+    Stalls: with `stall_s`, a watchdog thread calls `on_stall(seconds, held)` once when jobs are held
+    (submitted, not yet finished) and none has been launched or finished for `stall_s` seconds, and
+    again only after progress resumed and stopped once more. It only reports (the adapter logs every
+    thread's stack): a worker stuck in a call that never returns cannot be unstuck from here."""
 
     def __init__(self, launch: Callable[[Any], Any], finish: Callable[[Any, Any, BaseException | None], None], *,
                  depth: int = 1, in_flight: int = 2,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 name: str = "pipeline"):
+                 name: str = "pipeline", stall_s: float | None = None,
+                 on_stall: Callable[[float, int], None] | None = None):
         if in_flight < 1 or depth < 1:
             raise ValueError(f"in_flight and depth must be at least 1, got {in_flight} and {depth}")
         self._launch, self._finish, self._context = launch, finish, context
@@ -56,8 +63,12 @@ class Pipeline:
         self._waiting: deque = deque()  # submitted, not yet taken by the worker
         self._closing = False
         self._stopped: BaseException | None = None  # why the worker stopped early
+        self._held = 0  # submitted and not yet finished
+        self._progress = time.monotonic()  # the latest launch or finish (or the first submit after an idle spell)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if stall_s is not None and on_stall is not None:
+            threading.Thread(target=self._watch, args=(stall_s, on_stall), name=f"{name}-watchdog", daemon=True).start()
 
     def submit(self, job) -> None:
         with self._cv:
@@ -67,6 +78,9 @@ class Pipeline:
                 raise RuntimeError(f"the pipeline's worker stopped: {self._stopped!r}")
             if self._closing:
                 raise RuntimeError("the pipeline is closed")
+            if self._held == 0:
+                self._progress = time.monotonic()  # an idle spell is no stall
+            self._held += 1
             self._waiting.append(job)
             self._cv.notify_all()
 
@@ -129,12 +143,36 @@ class Pipeline:
             return job, self._launch(job), None
         except BaseException as exc:  # noqa: BLE001 - the job's own failure, answered by finish
             return job, None, exc
+        finally:
+            self._moved(0)
 
     def _finish_one(self, launched) -> None:
         try:
             self._finish(*launched)
         except BaseException:  # noqa: BLE001 - the worker must live on for the next jobs
             log.exception("answering a request failed")
+        finally:
+            self._moved(1)
+
+    def _moved(self, finished: int) -> None:
+        with self._cv:
+            self._progress = time.monotonic()
+            self._held -= finished
+
+    def _watch(self, stall_s: float, on_stall: Callable[[float, int], None]) -> None:
+        reported = None  # the progress time already reported as a stall
+        while True:
+            with self._cv:
+                if self._closing and self._held == 0 or self._stopped is not None:
+                    return
+                self._cv.wait(min(stall_s / 4, 1.0))
+                since, held, progress = time.monotonic() - self._progress, self._held, self._progress
+            if held and since >= stall_s and reported != progress:
+                reported = progress
+                try:
+                    on_stall(since, held)
+                except Exception:  # noqa: BLE001 - a report must never stop the watch
+                    log.exception("reporting a stalled pipeline failed")
 
 class Streams:
     """The CUDA streams of the stages, and the events that order them: one for preprocessing and one per

@@ -37,6 +37,9 @@ log = logging.getLogger("kimi_vision")
 
 # How often preprocessing asks whether its request was cancelled (each question is an IPC round trip).
 CANCEL_CHECK_S = 0.02
+# The fused pipeline's watchdog (FusedModel._stalled): no forward launched or answer sent for this long
+# while requests are held. A 3000^2 forward takes ~0.1 s and a graph capture a few seconds.
+PIPELINE_STALL_S = 30.0
 
 _NUMPY_EMPTY = {torch.float32: np.float32, torch.int64: np.int64, torch.float16: np.float16}
 
@@ -325,7 +328,16 @@ class FusedModel(_Adapter):
             self.streams = Streams(torch.device(self.settings.device), lanes=lanes)
             self._next_lane = 0
             self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,
-                                     context=self.streams.device_context, name=f"{self.name}-encoder")
+                                     context=self.streams.device_context, name=f"{self.name}-encoder",
+                                     stall_s=PIPELINE_STALL_S, on_stall=self._stalled)
+
+    def _stalled(self, seconds: float, held: int) -> None:
+        """The pipeline's watchdog: requests held and none launched or answered for a while. Twice on
+        the H200 a pipelined run stopped answering without an error (bench/results/
+        h200-2026-12-02-seventeenth.md); this puts where every thread waits into the server's log."""
+        log.error("%s: %d request(s) held and none launched or answered for %.0f s (a stalled pipeline); "
+                  "every thread's stack follows", self.name, held, seconds)
+        faulthandler.dump_traceback(all_threads=True)
 
     def _prepare(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)

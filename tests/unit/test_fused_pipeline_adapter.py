@@ -151,3 +151,14 @@ def test_setup_reads_the_pipeline_and_its_lanes_from_the_config(triton_models, m
     assert not off.pipelined and not hasattr(off, "pipeline") and len(off.step.encoders) == 1
     with pytest.raises(ValueError, match="encoder_lanes"):
         made("yes", "0")
+
+
+def test_a_stalled_pipeline_is_logged_with_every_threads_stack(model, caplog, capfd):
+    """The watchdog's report (FusedModel._stalled): an ERROR naming the model and what is held, then
+    every thread's stack on stderr, which the server's log receives from the stub."""
+    with caplog.at_level("ERROR", logger="kimi_vision"):
+        model._stalled(31.0, 3)
+    assert any("kimi_k25_vision_fused: 3 request(s) held" in r.getMessage() and "31 s" in r.getMessage()
+               for r in caplog.records)
+    err = capfd.readouterr().err
+    assert "Thread 0x" in err and "test_a_stalled_pipeline_is_logged" in err  # this thread's own frame

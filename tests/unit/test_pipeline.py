@@ -199,3 +199,49 @@ def test_streams_on_the_cpu_do_nothing():
         s.before_forward(0, side_by_side=False)
         assert s.after_forward(0, side_by_side=False) is None
         s.wait(None)
+
+
+def test_a_stalled_worker_is_reported_once_and_an_idle_pipeline_never():
+    """The watchdog: jobs held and no launch or finish for stall_s -> on_stall once (the adapter then
+    logs every thread's stack); an empty pipeline, however long idle, is no stall."""
+    reports, gate = [], threading.Event()
+    p = Pipeline(lambda job: gate.wait(10) if job == "stuck" else job, lambda job, handle, error: None,
+                 stall_s=0.2, on_stall=lambda seconds, held: reports.append((seconds, held)))
+    time.sleep(0.5)  # idle: nothing held
+    assert reports == []
+    p.submit("stuck")  # the worker hangs in its launch
+    p.submit("behind")
+    deadline = time.monotonic() + 5
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # still stuck: reported once, not every period
+    assert len(reports) == 1
+    seconds, held = reports[0]
+    assert seconds >= 0.2 and held == 2
+    gate.set()
+    assert p.close(5)
+    assert len(reports) == 1
+
+
+def test_a_failing_stall_report_does_not_stop_the_watch():
+    calls, gate = [], threading.Event()
+
+    def on_stall(seconds, held):
+        calls.append(held)
+        raise RuntimeError("logging failed")
+
+    p = Pipeline(lambda job: gate.wait(10), lambda job, handle, error: None, stall_s=0.1, on_stall=on_stall)
+    p.submit(1)
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate.set()  # progress resumes, then it stalls again: a second report
+    gate2 = threading.Event()
+    p._launch = lambda job: gate2.wait(10)
+    p.submit(2)
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate2.set()
+    assert p.close(5)
+    assert len(calls) == 2 and calls[0] == 1  # the second: job 2, and job 1 if not yet answered then
