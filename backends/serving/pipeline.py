@@ -45,18 +45,21 @@ class Pipeline:
     Should the worker ever stop on an error of its own, every job it holds or that waits for it is
     finished with that error, and `submit` refuses from then on: no request is left without an answer.
 
-    Stalls: with `stall_s`, a watchdog thread calls `on_stall(seconds, held)` once when jobs are held
-    (submitted, not yet finished) and none has been launched or finished for `stall_s` seconds, and
-    again only after progress resumed and stopped once more. It only reports (the adapter logs every
-    thread's stack): a worker stuck in a call that never returns cannot be unstuck from here."""
+    Stalls: with `stall_s`, a watchdog thread calls `on_stall(seconds, what)` once when jobs are held
+    (submitted, not yet finished) and none has been launched or finished for `stall_s` seconds, or
+    when the first stage (the caller's work inside `first_stage()`) has run that long; again only after
+    progress resumed and stopped once more. It only reports (the adapter logs every thread's stack): a
+    thread stuck in a call that never returns cannot be unstuck from here."""
 
     def __init__(self, launch: Callable[[Any], Any], finish: Callable[[Any, Any, BaseException | None], None], *,
                  depth: int = 1, in_flight: int = 2,
                  context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  name: str = "pipeline", stall_s: float | None = None,
-                 on_stall: Callable[[float, int], None] | None = None):
+                 on_stall: Callable[[float, str], None] | None = None):
         if in_flight < 1 or depth < 1:
             raise ValueError(f"in_flight and depth must be at least 1, got {in_flight} and {depth}")
+        if stall_s is not None and stall_s <= 0:
+            raise ValueError(f"stall_s must be above 0, got {stall_s}")
         self._launch, self._finish, self._context = launch, finish, context
         self._in_flight, self._depth = in_flight, depth
         self._cv = threading.Condition()  # guards the fields below
@@ -65,6 +68,7 @@ class Pipeline:
         self._stopped: BaseException | None = None  # why the worker stopped early
         self._held = 0  # submitted and not yet finished
         self._progress = time.monotonic()  # the latest launch or finish (or the first submit after an idle spell)
+        self._first_stage_since: float | None = None  # when the caller's current first stage began
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         if stall_s is not None and on_stall is not None:
@@ -83,6 +87,18 @@ class Pipeline:
             self._held += 1
             self._waiting.append(job)
             self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def first_stage(self):
+        """Around the caller's work for one job before `submit` (preprocessing): the watchdog reports it
+        too when it runs `stall_s` or longer. One caller thread (Triton's execute)."""
+        with self._cv:
+            self._first_stage_since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._first_stage_since = None
 
     def close(self, timeout: float | None = 60.0) -> bool:
         """Finishes every job already submitted, then stops the worker; False if it was still busy
@@ -159,20 +175,27 @@ class Pipeline:
             self._progress = time.monotonic()
             self._held -= finished
 
-    def _watch(self, stall_s: float, on_stall: Callable[[float, int], None]) -> None:
-        reported = None  # the progress time already reported as a stall
+    def _watch(self, stall_s: float, on_stall: Callable[[float, str], None]) -> None:
+        reported_progress = reported_first = None  # the stalls already reported, by when they began
         while True:
             with self._cv:
                 if self._closing and self._held == 0 or self._stopped is not None:
                     return
                 self._cv.wait(min(stall_s / 4, 1.0))
-                since, held, progress = time.monotonic() - self._progress, self._held, self._progress
-            if held and since >= stall_s and reported != progress:
-                reported = progress
+                now, held, progress, first = time.monotonic(), self._held, self._progress, self._first_stage_since
+            stalls = []
+            if held and now - progress >= stall_s and reported_progress != progress:
+                reported_progress = progress
+                stalls.append((now - progress, f"{held} request(s) handed over and none launched or answered"))
+            if first is not None and now - first >= stall_s and reported_first != first:
+                reported_first = first
+                stalls.append((now - first, "a request still in preprocessing (the first stage)"))
+            for seconds, what in stalls:
                 try:
-                    on_stall(since, held)
+                    on_stall(seconds, what)
                 except Exception:  # noqa: BLE001 - a report must never stop the watch
                     log.exception("reporting a stalled pipeline failed")
+
 
 class Streams:
     """The CUDA streams of the stages, and the events that order them: one for preprocessing and one per

@@ -37,8 +37,9 @@ log = logging.getLogger("kimi_vision")
 
 # How often preprocessing asks whether its request was cancelled (each question is an IPC round trip).
 CANCEL_CHECK_S = 0.02
-# The fused pipeline's watchdog (FusedModel._stalled): no forward launched or answer sent for this long
-# while requests are held. A 3000^2 forward takes ~0.1 s and a graph capture a few seconds.
+# The fused pipeline's watchdog on a GPU (FusedModel._stalled): no forward launched or answer sent for this
+# long while requests are held, or one request's preprocessing this long. On the H200 a 3000^2 forward
+# takes ~0.1 s and a graph capture a few seconds.
 PIPELINE_STALL_S = 30.0
 
 _NUMPY_EMPTY = {torch.float32: np.float32, torch.int64: np.int64, torch.float16: np.float16}
@@ -150,6 +151,7 @@ class _Adapter:
             # Triton kernels launch on the current device: make it this instance's GPU.
             torch.cuda.set_device(torch.device(self.settings.device))
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
+        self.instance_name = args.get("model_instance_name", self.name)
         memory = self._cuda_memory if self.settings.device.startswith("cuda") else None
         self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory,
                                     phases_on=phases.ENABLED)
@@ -329,14 +331,16 @@ class FusedModel(_Adapter):
             self._next_lane = 0
             self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,
                                      context=self.streams.device_context, name=f"{self.name}-encoder",
-                                     stall_s=PIPELINE_STALL_S, on_stall=self._stalled)
+                                     # GPU only: a CPU forward of a large request can take minutes.
+                                     stall_s=PIPELINE_STALL_S if self.streams.cuda else None,
+                                     on_stall=self._stalled)
 
-    def _stalled(self, seconds: float, held: int) -> None:
-        """The pipeline's watchdog: requests held and none launched or answered for a while. Twice on
-        the H200 a pipelined run stopped answering without an error (bench/results/
-        h200-2026-12-02-seventeenth.md); this puts where every thread waits into the server's log."""
-        log.error("%s: %d request(s) held and none launched or answered for %.0f s (a stalled pipeline); "
-                  "every thread's stack follows", self.name, held, seconds)
+    def _stalled(self, seconds: float, what: str) -> None:
+        """The pipeline's watchdog: no progress for a while. Twice on the H200 a pipelined run stopped
+        answering without an error (bench/results/h200-2026-12-02-seventeenth.md); this puts where every
+        thread of this instance's stub waits into the server's log (the stub's stderr is the server's)."""
+        log.error("%s (%s): %s for %.0f s (a stalled pipeline); every thread's stack follows",
+                  self.name, self.instance_name, what, seconds)
         faulthandler.dump_traceback(all_threads=True)
 
     def _prepare(self, inputs: _Inputs):
@@ -365,7 +369,7 @@ class FusedModel(_Adapter):
         t0 = time.perf_counter()
         phases.begin()
         try:
-            with self.gpu_lock, self.streams.preprocessing():
+            with self.pipeline.first_stage(), self.gpu_lock, self.streams.preprocessing():
                 inputs = self.inputs(request)
                 out, embeds = self._prepare(inputs)
                 ready = self.streams.record_pre() if embeds else None

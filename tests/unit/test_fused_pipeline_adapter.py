@@ -145,6 +145,8 @@ def test_setup_reads_the_pipeline_and_its_lanes_from_the_config(triton_models, m
     try:
         assert on.pipelined and on.streams.lanes == 1 and len(on.step.encoders) == 1
         assert on.pipeline._in_flight == 2
+        # The watchdog runs on a GPU only (a CPU forward of a large request can take minutes).
+        assert not any(t.name == "kimi_k25_vision_fused-encoder-watchdog" for t in threading.enumerate())
     finally:
         on.pipeline.close()
     off = made("no", "2")
@@ -154,11 +156,12 @@ def test_setup_reads_the_pipeline_and_its_lanes_from_the_config(triton_models, m
 
 
 def test_a_stalled_pipeline_is_logged_with_every_threads_stack(model, caplog, capfd):
-    """The watchdog's report (FusedModel._stalled): an ERROR naming the model and what is held, then
+    """The watchdog's report (FusedModel._stalled): an ERROR naming the instance and what stalled, then
     every thread's stack on stderr, which the server's log receives from the stub."""
+    model.instance_name = "kimi_k25_vision_fused_0_1"
     with caplog.at_level("ERROR", logger="kimi_vision"):
-        model._stalled(31.0, 3)
-    assert any("kimi_k25_vision_fused: 3 request(s) held" in r.getMessage() and "31 s" in r.getMessage()
-               for r in caplog.records)
+        model._stalled(31.0, "3 request(s) handed over and none launched or answered")
+    assert any("kimi_k25_vision_fused (kimi_k25_vision_fused_0_1): 3 request(s) handed over" in r.getMessage()
+               and "for 31 s" in r.getMessage() for r in caplog.records)
     err = capfd.readouterr().err
     assert "Thread 0x" in err and "test_a_stalled_pipeline_is_logged" in err  # this thread's own frame

@@ -201,47 +201,71 @@ def test_streams_on_the_cpu_do_nothing():
         s.wait(None)
 
 
+def _until(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_a_stalled_worker_is_reported_once_and_an_idle_pipeline_never():
     """The watchdog: jobs held and no launch or finish for stall_s -> on_stall once (the adapter then
     logs every thread's stack); an empty pipeline, however long idle, is no stall."""
     reports, gate = [], threading.Event()
     p = Pipeline(lambda job: gate.wait(10) if job == "stuck" else job, lambda job, handle, error: None,
-                 stall_s=0.2, on_stall=lambda seconds, held: reports.append((seconds, held)))
+                 stall_s=0.2, on_stall=lambda seconds, what: reports.append((seconds, what)))
     time.sleep(0.5)  # idle: nothing held
     assert reports == []
     p.submit("stuck")  # the worker hangs in its launch
-    p.submit("behind")
-    deadline = time.monotonic() + 5
-    while not reports and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _until(lambda: reports)
     time.sleep(0.5)  # still stuck: reported once, not every period
     assert len(reports) == 1
-    seconds, held = reports[0]
-    assert seconds >= 0.2 and held == 2
+    seconds, what = reports[0]
+    assert seconds >= 0.2 and what == "1 request(s) handed over and none launched or answered"
     gate.set()
     assert p.close(5)
     assert len(reports) == 1
 
 
-def test_a_failing_stall_report_does_not_stop_the_watch():
-    calls, gate = [], threading.Event()
+def test_a_stuck_first_stage_is_reported_though_the_worker_holds_nothing():
+    """A hang before submit (the caller's preprocessing) leaves the worker idle: first_stage() lets the
+    watchdog see it."""
+    reports, gate = [], threading.Event()
+    p = Pipeline(lambda job: job, lambda job, handle, error: None, stall_s=0.2,
+                 on_stall=lambda seconds, what: reports.append(what))
 
-    def on_stall(seconds, held):
-        calls.append(held)
+    def caller():
+        with p.first_stage():
+            gate.wait(10)
+        p.submit("after")
+
+    t = threading.Thread(target=caller)
+    t.start()
+    _until(lambda: reports)
+    assert reports == ["a request still in preprocessing (the first stage)"]
+    gate.set()
+    t.join(5)
+    assert p.close(5)
+    assert len(reports) == 1
+
+
+def test_a_failing_stall_report_does_not_stop_the_watch():
+    calls, gates = [], [threading.Event(), threading.Event()]
+
+    def on_stall(seconds, what):
+        calls.append(what)
         raise RuntimeError("logging failed")
 
-    p = Pipeline(lambda job: gate.wait(10), lambda job, handle, error: None, stall_s=0.1, on_stall=on_stall)
+    p = Pipeline(lambda job: gates[job].wait(10), lambda job, handle, error: None, stall_s=0.1, on_stall=on_stall)
+    p.submit(0)
+    _until(lambda: calls)
+    gates[0].set()  # progress resumes, then it stalls again on job 1: a second report
     p.submit(1)
-    deadline = time.monotonic() + 5
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.05)
-    gate.set()  # progress resumes, then it stalls again: a second report
-    gate2 = threading.Event()
-    p._launch = lambda job: gate2.wait(10)
-    p.submit(2)
-    deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    gate2.set()
+    _until(lambda: len(calls) >= 2)
+    gates[1].set()
     assert p.close(5)
-    assert len(calls) == 2 and calls[0] == 1  # the second: job 2, and job 1 if not yet answered then
+    assert len(calls) == 2
+
+
+def test_a_stall_limit_of_zero_is_refused():
+    with pytest.raises(ValueError, match="stall_s"):
+        Pipeline(lambda job: job, lambda job, handle, error: None, stall_s=0, on_stall=lambda s, w: None)
