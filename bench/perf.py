@@ -36,7 +36,7 @@ from tritonclient.utils import serialize_byte_tensor
 
 from backends import phases
 from backends.config import env_flag, env_int
-from backends.deploy import mps
+from backends.deploy import mps, native_stacks
 from backends.deploy.repository import Deployment, model_configs
 from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, FUSED, PLACEHOLDER
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
@@ -282,6 +282,10 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                                       timeout=12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
+                # Where a stalled server waits (docs/triton_runtime.md, "Open question"), before it is stopped.
+                stacks = args.out / f"native_stacks_{model}_c{level}.txt"
+                native_stacks.dump(stacks)
+                print(f"native stacks of the server and its stubs: {stacks}", flush=True)
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": "timeout"})
                 continue
             if proc.returncode != 0:

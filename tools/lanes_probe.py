@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from backends.deploy import native_stacks
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
@@ -33,6 +34,7 @@ CASES = {
 
 
 CASES_BY_FLAG = {"1024": "1 x 1024^2", "8x448": "8 x 448^2"}
+CASES_BY_NAME = {name: flag for flag, name in CASES_BY_FLAG.items()}
 
 
 def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Exception:
@@ -102,6 +104,9 @@ def main(argv=None) -> int:
             if failed:
                 dumped = _dump_fused_stacks()
                 print(f"{name}: stacks of {dumped} fused stub(s) written to {server.log_path}", flush=True)
+                native = server.log_path.with_name(f"native-stacks-{CASES_BY_NAME[name]}.txt")
+                native_stacks.dump(native)
+                print(f"{name}: native stacks of the server and its stubs written to {native}", flush=True)
                 print(f"{name}, {lanes}: {len(failed)} of {1 + len(alone) + len(burst)} requests failed, e.g. "
                       f"{'; '.join(sorted({str(e)[:200] for e in failed})[:3])}", flush=True)
                 bad += len(failed)
