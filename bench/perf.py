@@ -284,7 +284,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
                 # Where a stalled server waits (docs/triton_runtime.md, "Open question"), before it is stopped.
                 stacks = args.out / f"native_stacks_{model}_c{level}.txt"
-                native_stacks.dump(stacks)
+                native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), stacks)
                 print(f"native stacks of the server and its stubs: {stacks}", flush=True)
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": "timeout"})
                 continue

@@ -23,6 +23,7 @@ import numpy as np
 from backends.deploy import native_stacks
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
+from backends.deploy.supervisor import stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from contract import FUSED
@@ -49,18 +50,15 @@ def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Ex
         client.close()
 
 
-def _dump_fused_stacks() -> int:
-    """SIGUSR1 to every process serving the fused model (its adapter registers faulthandler on it)."""
-    sent = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def _dump_fused_stacks(server_pid: int) -> int:
+    """SIGUSR1 to every stub serving the fused model (its adapter registers faulthandler on it)."""
+    stubs = [pid for name, pid in stub_processes(server_pid).items() if name.startswith(FUSED + "_")]
+    for pid in stubs:
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if FUSED.encode() + b"/1/model.py" in f.read():
-                    os.kill(int(pid), signal.SIGUSR1)
-                    sent += 1
+            os.kill(pid, signal.SIGUSR1)
         except OSError:
             continue
-    return sent
+    return len(stubs)
 
 
 def main(argv=None) -> int:
@@ -102,10 +100,10 @@ def main(argv=None) -> int:
                                           range(args.concurrency * args.rounds)))
             failed = [r for r in [ensemble, *alone, *burst] if isinstance(r, Exception)]
             if failed:
-                dumped = _dump_fused_stacks()
+                dumped = _dump_fused_stacks(server.proc.pid)
                 print(f"{name}: stacks of {dumped} fused stub(s) written to {server.log_path}", flush=True)
                 native = server.log_path.with_name(f"native-stacks-{CASES_BY_NAME[name]}.txt")
-                native_stacks.dump(native)
+                native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), native)
                 print(f"{name}: native stacks of the server and its stubs written to {native}", flush=True)
                 print(f"{name}, {lanes}: {len(failed)} of {1 + len(alone) + len(burst)} requests failed, e.g. "
                       f"{'; '.join(sorted({str(e)[:200] for e in failed})[:3])}", flush=True)

@@ -6,7 +6,7 @@ and what the server's own threads do, needs native stacks (docs/triton_runtime.m
 With gdb on the machine: `thread apply all bt` per process. Without it: each thread's name, state and
 kernel wait channel from /proc, which at least tells a futex wait from a running thread.
 
-    python -m backends.deploy.native_stacks [--out FILE]   # every tritonserver and stub process of this user
+    python -m backends.deploy.native_stacks --server-pid PID [--out FILE]   # a server and its live stubs
 """
 
 from __future__ import annotations
@@ -18,22 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-NAMES = (b"tritonserver", b"triton_python_backend_stub")
+from backends.deploy.supervisor import stub_processes
 
 
-def server_pids() -> list[int]:
-    """tritonserver and stub processes, by their command lines."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            argv0 = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0]
-        except OSError:
-            continue
-        if os.path.basename(argv0) in NAMES:
-            pids.append(int(entry))
-    return sorted(pids)
+def server_and_stubs(server_pid: int) -> list[int]:
+    """The server's pid, then its live stubs' (backends.deploy.supervisor finds them)."""
+    return [server_pid, *sorted(stub_processes(server_pid).values())]
 
 
 def _read(path: str) -> str:
@@ -45,8 +35,12 @@ def _read(path: str) -> str:
 
 def proc_threads(pid: int) -> str:
     """One line per thread: id, name, state, kernel wait channel."""
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError as exc:  # gone meanwhile
+        return f"  ({type(exc).__name__})"
     lines = []
-    for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+    for tid in tids:
         base = f"/proc/{pid}/task/{tid}"
         stat = _read(f"{base}/stat")
         state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
@@ -67,10 +61,9 @@ def stacks(pid: int, gdb: str | None, timeout: float = 60.0) -> str:
     return f"{head}\n{proc_threads(pid)}"
 
 
-def dump(out: Path | None = None, pids: list[int] | None = None) -> str:
-    """Writes (and returns) the report for `pids` (default: every server and stub process)."""
+def dump(pids: list[int], out: Path | None = None) -> str:
+    """Writes to `out` (and returns) the report for `pids`, e.g. server_and_stubs(server.proc.pid)."""
     gdb = shutil.which("gdb")
-    pids = server_pids() if pids is None else pids
     text = (f"native stacks ({'gdb' if gdb else 'no gdb: /proc threads only'}), {len(pids)} process(es)\n"
             + "\n".join(stacks(pid, gdb) for pid in pids) + "\n")
     if out is not None:
@@ -81,9 +74,10 @@ def dump(out: Path | None = None, pids: list[int] | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--server-pid", type=int, required=True, help="tritonserver's pid")
     ap.add_argument("--out", type=Path, help="write here as well as to stdout")
     args = ap.parse_args(argv)
-    sys.stdout.write(dump(args.out))
+    sys.stdout.write(dump(server_and_stubs(args.server_pid), args.out))
     return 0
 
 
