@@ -1,8 +1,8 @@
 """`make perf`: the real perf_analyzer over gRPC against the ensembles, fixed inputs, several
 concurrencies and shared-memory modes, one server, one run.
 
-Inputs (`--images`): `sample` = the `make run` request (a 640x480 JPEG and a 300x200 PNG), or `1024` =
-one 1024x1024 JPEG. `--shared-memory none,cuda` measures each mode side by side: `none` sends the
+Inputs (`--images`): `sample` = the `make run` request (a 640x480 JPEG and a 300x200 PNG), `1024` =
+one 1024x1024 JPEG, `8x448` = eight 448x448 JPEGs (any N x SIDE or SIDE likewise). `--shared-memory none,cuda` measures each mode side by side: `none` sends the
 inputs and returns every output over gRPC; `system` / `cuda` make perf_analyzer place the inputs and
 every output in POSIX / CUDA shared memory (perf_analyzer cannot keep the inputs on gRPC while the
 outputs go to shared memory; the inputs are a few hundred kB, the embeddings tens of MB). Each output
@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -52,13 +53,17 @@ SHM_MODES = ("none", "system", "cuda")
 
 
 def request_images(kind: str) -> list[bytes]:
+    """'sample'; or N x SIDE photo-like JPEGs (quality 90), e.g. '8x448', or SIDE for one, e.g. '1024'.
+    The seeds keep the images of the committed runs: one image seed 3, several seeds 0..N-1."""
     if kind == "sample":
         return sample_images()
-    if kind == "1024":
-        return [encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)]
-    if kind == "8x448":
-        return [encode(photo_like(448, 448, seed=i), "JPEG", quality=90) for i in range(8)]
-    raise SystemExit(f"--images must be 'sample', '1024' or '8x448', got {kind!r}")
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)", kind)
+    if not m or int(m[1] or 1) < 1 or int(m[2]) < 16:
+        raise SystemExit(f"--images must be 'sample', SIDE (e.g. 1024) or N x SIDE (e.g. 8x448) with SIDE >= 16, "
+                         f"got {kind!r}")
+    count, side = int(m[1] or 1), int(m[2])
+    seeds = [3] if count == 1 else range(count)
+    return [encode(photo_like(side, side, seed=s), "JPEG", quality=90) for s in seeds]
 
 
 class RunningServer:
@@ -159,7 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--perf-dir", type=Path, default=Path(".venv/perf_analyzer"))
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     ap.add_argument("--images", default="sample",
-                    help="'sample' (2 images per request), '1024' (one 1024^2 JPEG) or '8x448' (eight 448^2 JPEGs)")
+                    help="'sample' (2 images per request), '1024' (one 1024^2 JPEG), '8x448' (eight 448^2 JPEGs): "
+                         "any SIDE or N x SIDE")
     ap.add_argument("--url", help="measure a running server at host:port (gRPC) instead of starting one")
     ap.add_argument("--encoder-alone", action="store_true",
                     help="GPU, own server: also time the encoder alone in this process on the same weights and "
@@ -264,7 +270,11 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             client.close()
         if phases_on:
             time.sleep(0.6)  # the warm-up's phases in before the first reading
+        hung = None  # the run that timed out: the server may be stuck, so the later runs are not started
         for model, shm, level in runs:
+            if hung is not None:
+                rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": f"not run after {hung}"})
+                continue
             csv_path = args.out / f"perf_{device}_{model}_{args.images}_shm-{shm}_c{level}.csv"
             cmd = [str(binary), "-m", model, "-b", "1", "-i", "grpc", "-u", server.grpc_url,
                    "--input-data", str(data), "--concurrency-range", f"{level}:{level}",
@@ -287,6 +297,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                     native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), stacks)
                     print(f"native stacks of the server and its stubs: {stacks}", flush=True)
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": "timeout"})
+                hung = f"the timeout at {model} c={level}"
                 continue
             if proc.returncode != 0:
                 # e.g. exit 2: no stable window within --max-trials (a busy 2-core machine)

@@ -21,6 +21,8 @@
 #   envab (perf_analyzer A/B/A/B runs that differ in one environment setting: ENVAB_VARIANTS, ENVAB_IMAGES,
 #   ENVAB_CONCURRENCY; default 8x448^2 at concurrency 1),
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py),
+#   senderrace (python_backend's response sender from a thread, with a tiny model: tools/sender_race_probe.py),
+#   hunt (the fused pipeline's rare hang, hunted with perf_analyzer: HUNT_RUNS, HUNT_IMAGES, HUNT_CONCURRENCY),
 #   lanesprobe (the fused model's answers at concurrency 16 against one at a time, real size: tools/lanes_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -72,7 +74,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md lanes_probe.md"
+SUMMARIES="sender_race.md launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md lanes_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -258,6 +260,30 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
         | tee -a "$out/launcher.md" ;;
     memprobe) python3 -m tools.memory_probe > "$out/memory_probe.md" 2>&1; tail -20 "$out/memory_probe.md" ;;
     preprobe) python3 -m tools.preprocess_probe > "$out/preprocess_probe.md" 2>&1; cat "$out/preprocess_probe.md" ;;
+    senderrace)  # python_backend's response sender from a worker thread, no model of ours (tools/sender_race_probe.py):
+      # SENDER_RACE_VARIANTS, ';'-separated argument sets, each run SENDER_RACE_SECONDS (default 120)
+      IFS=';' read -ra variants <<< "${SENDER_RACE_VARIANTS:---ask --gpu-output;--no-ask --gpu-output}"
+      i=0
+      for v in "${variants[@]}"; do
+        i=$((i + 1))
+        { echo "### $v"; timeout -s INT -k 30 $(( ${SENDER_RACE_SECONDS:-120} + 120 )) python3 -m tools.sender_race_probe \
+            --seconds ${SENDER_RACE_SECONDS:-120} --out "$out/race-$i" $v 2>&1 | grep -v "^[IWE]1[0-9]"; echo; } \
+          >> "$out/sender_race.md"
+        [[ -n "${OUT:-}" && -d "$out/race-$i" ]] && cp -r "$out/race-$i" "$OUT/"
+      done
+      cat "$out/sender_race.md" ;;
+    hunt)  # the fused pipeline's rare hang (docs/triton_runtime.md): HUNT_RUNS perf_analyzer runs of HUNT_IMAGES
+      # (default 8x448) at HUNT_CONCURRENCY (16) against kimi_k25_vision_fused, pipeline on, in one server. A
+      # timeout writes the native stacks and stops the rest; the watchdog's Python stacks are in the server's log.
+      perf_setup; random_checkpoint
+      rm -rf "$out/perf-hunt"
+      levels=$(printf "${HUNT_CONCURRENCY:-16},%.0s" $(seq ${HUNT_RUNS:-10})); levels=${levels%,}
+      timeout -s INT -k 60 ${HUNT_TIMEOUT:-540} "${PERF[@]}" --images ${HUNT_IMAGES:-8x448} --concurrency $levels \
+        --ensembles fused --fused-pipeline --out "$out/perf-hunt" > "$out/perf_gpu_hunt.log" 2>&1
+      grep -E "^perf_analyzer (exited|timed out)|^native stacks|^error" "$out/perf_gpu_hunt.log" | head -8
+      cat "$out/perf-hunt/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_hunt.log"
+      [[ -n "${OUT:-}" ]] && cp "$out"/perf-hunt/native_stacks_*.txt "$OUT/" 2>/dev/null
+      cat "$out/perf_gpu.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
       # SIGINT, not SIGTERM: the probe unwinds and stops its server (a SIGTERM left it running)
       # LANES_ARGS adds probe arguments, e.g. "--lanes 1 --cases 8x448" (one lane, that case first)

@@ -3,8 +3,9 @@
 The fused model's watchdog (backends/serving/pipeline.py) writes its stub's Python stacks, but a thread
 that waits inside python_backend or CUDA shows there only as the Python call it entered; where it waits,
 and what the server's own threads do, needs native stacks (docs/triton_runtime.md, "Open question").
-With gdb on the machine: `thread apply all bt` per process. Without it: each thread's name, state and
-kernel wait channel from /proc, which at least tells a futex wait from a running thread.
+With gdb on the machine (or cuda-gdb, which the GPU machine has instead and which attaches to any
+process): `thread apply all bt` per process. Without either: each thread's name, state and kernel wait
+channel from /proc, which at least tells a futex wait from a running thread.
 
     python -m backends.deploy.native_stacks --server-pid PID [--out FILE]   # a server and its live stubs
 """
@@ -61,10 +62,18 @@ def stacks(pid: int, gdb: str | None, timeout: float = 60.0) -> str:
     return f"{head}\n{proc_threads(pid)}"
 
 
+def debugger() -> str | None:
+    """gdb, else cuda-gdb (a gdb with CUDA added; on the PATH or in CUDA's usual place), else None."""
+    found = shutil.which("gdb") or shutil.which("cuda-gdb")
+    if found is None and shutil.which("cuda-gdb", path="/usr/local/cuda/bin"):
+        found = "/usr/local/cuda/bin/cuda-gdb"
+    return found
+
+
 def dump(pids: list[int], out: Path | None = None) -> str:
     """Writes to `out` (and returns) the report for `pids`, e.g. server_and_stubs(server.proc.pid)."""
-    gdb = shutil.which("gdb")
-    text = (f"native stacks ({'gdb' if gdb else 'no gdb: /proc threads only'}), {len(pids)} process(es)\n"
+    gdb = debugger()
+    text = (f"native stacks ({Path(gdb).name if gdb else 'no gdb: /proc threads only'}), {len(pids)} process(es)\n"
             + "\n".join(stacks(pid, gdb) for pid in pids) + "\n")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def test_a_server_and_its_stub_are_reported(tmp_path):
 
 
 def test_without_gdb_each_thread_has_its_state_and_wait_channel(monkeypatch):
-    monkeypatch.setattr(native_stacks.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_stacks.shutil, "which", lambda name, **kw: None)
     text = native_stacks.dump([os.getpid()])
     assert text.startswith("native stacks (no gdb: /proc threads only), 1 process(es)")
     assert f"  {os.getpid()} " in text and " state R wchan " in text  # this thread, running
@@ -46,3 +46,15 @@ def test_a_process_gone_meanwhile_is_named_not_raised():
     proc = subprocess.Popen(["true"])
     proc.wait()
     assert "(FileNotFoundError)" in native_stacks.proc_threads(proc.pid)
+
+
+def test_cuda_gdb_stands_in_where_gdb_is_missing(monkeypatch):
+    """The GPU machine has no gdb, only CUDA's cuda-gdb (which attaches to any process)."""
+    found = {"cuda-gdb": "/opt/cuda/bin/cuda-gdb"}
+    monkeypatch.setattr(native_stacks.shutil, "which", lambda name, path=None: found.get(name))
+    assert native_stacks.debugger() == "/opt/cuda/bin/cuda-gdb"
+    found.clear()
+    assert native_stacks.debugger() is None
+    found["gdb"] = "/usr/bin/gdb"
+    found["cuda-gdb"] = "/opt/cuda/bin/cuda-gdb"
+    assert native_stacks.debugger() == "/usr/bin/gdb"
