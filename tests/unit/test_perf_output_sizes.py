@@ -43,7 +43,7 @@ def test_embedding_size_follows_the_checkpoint_config_and_the_device_dtype(tmp_p
     assert max(gpu.values()) == gpu["IMAGE_EMBEDS"]
 
 
-@pytest.mark.parametrize("bad,says", [(["--concurrency", "1,x"], "--concurrency takes"), (["--images", "2048"], "--images must"),
+@pytest.mark.parametrize("bad,says", [(["--concurrency", "1,x"], "--concurrency takes"), (["--images", "2048px"], "--images must"),
                                       (["--ensembles", "plain,fast"], "--ensembles takes")])
 def test_a_run_refused_on_its_arguments_starts_no_mps_daemon(monkeypatch, tmp_path, bad, says):
     """--mps starts a daemon; a run that its own arguments (or a missing perf_analyzer) refuse must stop
