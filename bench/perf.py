@@ -194,6 +194,9 @@ def main(argv=None) -> int:
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
                          "alone is then timed without MPS")
+    ap.add_argument("--run-timeout", type=float, default=0.0,
+                    help="seconds one perf_analyzer run may take before it counts as hung (default: 12 measurement "
+                         "windows + 120 s)")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     args = ap.parse_args(argv)
     plan = preflight(args)  # before any daemon starts: a run refused on its arguments leaves nothing behind
@@ -289,7 +292,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             try:
                 # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
                 proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
-                                      timeout=12 * args.measurement_ms / 1000 + 120)
+                                      timeout=args.run_timeout or 12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
                 if served is None:  # our own server: where it waits (docs/triton_runtime.md, "Open question")

@@ -279,7 +279,8 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
       rm -rf "$out/perf-hunt"
       levels=$(printf "${HUNT_CONCURRENCY:-16},%.0s" $(seq ${HUNT_RUNS:-10})); levels=${levels%,}
       timeout -s INT -k 60 ${HUNT_TIMEOUT:-540} "${PERF[@]}" --images ${HUNT_IMAGES:-8x448} --concurrency $levels \
-        --ensembles fused --fused-pipeline --out "$out/perf-hunt" > "$out/perf_gpu_hunt.log" 2>&1
+        --ensembles fused --fused-pipeline --run-timeout ${HUNT_RUN_TIMEOUT:-75} --out "$out/perf-hunt" \
+        > "$out/perf_gpu_hunt.log" 2>&1
       grep -E "^perf_analyzer (exited|timed out)|^native stacks|^error" "$out/perf_gpu_hunt.log" | head -8
       cat "$out/perf-hunt/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_hunt.log"
       [[ -n "${OUT:-}" ]] && cp "$out"/perf-hunt/native_stacks_*.txt "$OUT/" 2>/dev/null

@@ -54,7 +54,10 @@ def stacks(pid: int, gdb: str | None, timeout: float = 60.0) -> str:
     head = f"== pid {pid}: {cmdline}"
     if gdb:
         try:
-            out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt"],
+            # cuda-gdb also lists the kernels resident on the GPU for this process: a kernel that never
+            # ends shows there, where host stacks only show a thread waiting in a synchronize.
+            extra = ["-ex", "info cuda kernels"] if Path(gdb).name == "cuda-gdb" else []
+            out = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", *extra, "-ex", "thread apply all bt"],
                                  capture_output=True, text=True, timeout=timeout)
             return f"{head}\n{out.stdout}{out.stderr[-2000:]}"
         except (subprocess.TimeoutExpired, OSError) as exc:
