@@ -415,13 +415,7 @@ class FusedModel(_Adapter):
         except Exception as exc:  # noqa: BLE001 - this request alone
             response = self.error_response(exc)
         try:
-            # Under the GPU lock, i.e. never while execute is decoding JPEGs: python_backend copies a GPU
-            # output into the server's buffer with cudaMemcpy on the legacy default stream, then syncs it,
-            # and that stream waits for every blocking stream of this process, nvJPEG's hardware decoder's
-            # included. Sent beside a decode, twice in two runs on the H200 that copy never finished with no
-            # kernel on the GPU, and the pipeline stopped (docs/triton_runtime.md#the-fused-pipelines-hang).
-            with self.gpu_lock:
-                job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001
             # The server answers the client itself when it cannot place the outputs; a send that fails
             # before reaching it has closed the sender all the same (python_backend 2.51): nothing more
