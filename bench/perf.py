@@ -2,11 +2,12 @@
 concurrencies and shared-memory modes, one server, one run.
 
 Inputs (`--images`): `sample` = the `make run` request (a 640x480 JPEG and a 300x200 PNG), `1024` =
-one 1024x1024 JPEG, `8x448` = eight 448x448 JPEGs (any N x SIDE or SIDE likewise). `--shared-memory none,cuda` measures each mode side by side: `none` sends the
-inputs and returns every output over gRPC; `system` / `cuda` make perf_analyzer place the inputs and
-every output in POSIX / CUDA shared memory (perf_analyzer cannot keep the inputs on gRPC while the
-outputs go to shared memory; the inputs are a few hundred kB, the embeddings tens of MB). Each output
-region is sized from the request (`output_byte_sizes`).
+one 1024x1024 JPEG, `8x448` = eight 448x448 JPEGs (any SIDE or N x SIDE likewise).
+`--shared-memory none,cuda` measures each mode side by side: `none` sends the inputs and returns every
+output over gRPC; `system` / `cuda` make perf_analyzer place the inputs and every output in POSIX /
+CUDA shared memory (perf_analyzer cannot keep the inputs on gRPC while the outputs go to shared memory;
+the inputs are a few hundred kB, the embeddings tens of MB). Each output region is sized from the
+request (`output_byte_sizes`).
 
 Prints, per (ensemble, shared-memory mode, concurrency): throughput (requests/s and images/s), p50/p99
 latency and two of perf_analyzer's averages, the server's "compute output" and the client's
@@ -290,7 +291,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             counts_before = encoder_counts(server.grpc_url)
             phases_before = phase_totals(server.metrics_url) if phases_on else None
             try:
-                # At most --max-trials windows plus start-up and draining; a hung run must not stall the rest.
+                # At most --max-trials windows plus start-up and draining. A run past that is taken as hung:
+                # its stacks are written and the later runs are not started (the server may be stuck).
                 proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
                                       timeout=args.run_timeout or 12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:

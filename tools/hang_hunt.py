@@ -19,9 +19,7 @@ It then copies that log to `--out`. Exit status 0: no stall in the whole run; 1:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import threading
 import time
 from pathlib import Path
@@ -29,10 +27,10 @@ from pathlib import Path
 from backends.deploy import native_stacks
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import stub_processes
 from bench.perf import request_images
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from contract import FUSED
+from tools.lanes_probe import dump_fused_stacks
 
 
 class Hunt:
@@ -65,16 +63,6 @@ class Hunt:
             if self.first_failure is None:
                 self.first_failure = what
         self.stop.set()
-
-
-def _signal_fused_stubs(server_pid: int) -> list[int]:
-    stubs = [pid for name, pid in stub_processes(server_pid).items() if name.startswith(FUSED + "_")]
-    for pid in stubs:
-        try:
-            os.kill(pid, signal.SIGUSR1)
-        except OSError:
-            continue
-    return stubs
 
 
 def main(argv=None) -> int:
@@ -119,13 +107,14 @@ def main(argv=None) -> int:
             print("no stall", flush=True)
             return 0
         print(f"stall: the first request past its deadline failed {hunt.first_failure}", flush=True)
-        stubs = _signal_fused_stubs(server.proc.pid)
-        print(f"Python stacks of {len(stubs)} fused stub(s) written to the server's log", flush=True)
+        print(f"Python stacks of {dump_fused_stacks(server.proc.pid)} fused stub(s) written to the server's log",
+              flush=True)
         native_path = (out or server.log_path.parent) / "native_stacks.txt"
         native_path.parent.mkdir(parents=True, exist_ok=True)
         native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), native_path)
         print(f"native stacks of the server and its stubs written to {native_path}", flush=True)
-        time.sleep(args.watchdog_wait)  # the pipeline's watchdog reports after its own 30 s
+        if args.device == "gpu":  # the pipeline's watchdog (GPU only) reports after its own 30 s
+            time.sleep(args.watchdog_wait)
         if out is not None:
             shutil.copy(server.log_path, out / "server.log")
             print(f"server log copied to {out / 'server.log'}", flush=True)

@@ -50,7 +50,7 @@ def _once(url: str, model: str, ids, blobs, timeout_s: float) -> np.ndarray | Ex
         client.close()
 
 
-def _dump_fused_stacks(server_pid: int) -> int:
+def dump_fused_stacks(server_pid: int) -> int:
     """SIGUSR1 to every stub serving the fused model (its adapter registers faulthandler on it)."""
     stubs = [pid for name, pid in stub_processes(server_pid).items() if name.startswith(FUSED + "_")]
     for pid in stubs:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                                           range(args.concurrency * args.rounds)))
             failed = [r for r in [ensemble, *alone, *burst] if isinstance(r, Exception)]
             if failed:
-                dumped = _dump_fused_stacks(server.proc.pid)
+                dumped = dump_fused_stacks(server.proc.pid)
                 print(f"{name}: stacks of {dumped} fused stub(s) written to {server.log_path}", flush=True)
                 native = server.log_path.with_name(f"native-stacks-{CASES_BY_NAME[name]}.txt")
                 native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), native)
