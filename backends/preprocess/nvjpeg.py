@@ -19,7 +19,6 @@ import glob
 import importlib.util
 import os
 import sysconfig
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,10 +28,6 @@ from backends import phases
 
 NVJPEG_BACKEND_HARDWARE = 3
 NVJPEG_OUTPUT_YUV = 1
-# Bitstreams of this many decodes, or this many bytes of them (a request of large JPEGs), may stay
-# referenced before the decoder asks the stream which decodes it has passed.
-_QUERY_AFTER = 4
-_QUERY_AFTER_BYTES = 16 << 20
 NVJPEG_STATUS_ARCH_MISMATCH = 7
 # nvjpegChromaSubsampling_t -> (fx, fy) of the chroma planes; GRAY has no chroma.
 SUBSAMPLING = {0: (1, 1), 1: (2, 1), 2: (2, 2), 3: (1, 2), 6: None}
@@ -125,9 +120,9 @@ class HardwareJpegDecoder:
             self._ok(status, "nvjpegCreateEx(HARDWARE)")
             self._ok(self.lib.nvjpegJpegStateCreate(self.handle, ctypes.byref(self.state)), "nvjpegJpegStateCreate")
             self._ok(self.lib.nvjpegJpegStreamCreate(self.handle, ctypes.byref(self.jpeg_stream)), "nvjpegJpegStreamCreate")
-        # Bitstreams stay referenced until the stream has passed the decode that reads them.
-        self._in_flight: deque[tuple[torch.cuda.Event, list[bytes], int, int]] = deque()  # event, bitstreams, their size, stream
-        self._held_bytes = 0
+        # The latest decode: its end (an event) and its bitstreams, referenced until it has run (the
+        # decoder reads them after nvjpegDecodeBatched returns).
+        self._last: tuple[torch.cuda.Event, list[bytes]] | None = None
 
     @staticmethod
     def _ok(status: int, what: str) -> None:
@@ -153,37 +148,32 @@ class HardwareJpegDecoder:
         return None if flag.value == 0 else "not decodable by the hardware decoder (e.g. progressive)"
 
     def close(self) -> None:
-        """Waits for the decodes still reading their bitstreams, then lets them go: before the decoder is
-        dropped (its nvJPEG handle is not destroyed; one per model instance, kept for its life)."""
-        for event, *_ in self._in_flight:
-            event.synchronize()
-        self._in_flight.clear()
-        self._held_bytes = 0
-
-    def _release_bitstreams(self) -> None:
-        """Drops the bitstreams of decodes their stream has passed: one event query per few decodes, not
-        one per decode. Decodes on one stream run in order, so when all held decodes were issued on the
-        newest one's stream and it has passed, all have; otherwise they are released oldest first."""
-        if len(self._in_flight) < _QUERY_AFTER and self._held_bytes < _QUERY_AFTER_BYTES:
-            return
-        newest_event, _, _, newest_stream = self._in_flight[-1]
-        if all(stream == newest_stream for *_, stream in self._in_flight) and newest_event.query():
-            self._in_flight.clear()
-            self._held_bytes = 0
-            return
-        while self._in_flight and self._in_flight[0][0].query():
-            _, _, size, _ = self._in_flight.popleft()
-            self._held_bytes -= size
+        """Waits for the latest decode, then lets its bitstreams go: before the decoder is dropped (its
+        nvJPEG handle is not destroyed; one per model instance, kept for its life)."""
+        if self._last is not None:
+            self._last[0].synchronize()
+            self._last = None
 
     def decode_planes(self, datas: list[bytes], infos: list[JpegInfo]) -> "DecodedPlanes":
         """Every image's planes (Y[, Cb, Cr]) as uint8 on the device, written by one batched hardware
-        decode on the current stream (no host sync), laid out back to back in one buffer. Only offsets
+        decode on the current stream, laid out back to back in one buffer. Only offsets
         are computed here, no per-plane tensor views (in the stub, for eight images, the phase that made
         them took about 0.17 ms more, docs/jpeg_decoding.md): DecodedPlanes.stacked views a run of them.
 
         The bitstreams go to nvJPEG as the bytes objects they are. Copying them into page-locked memory
-        first was tried twice and cost more host time than it saved (docs/jpeg_decoding.md)."""
-        self._release_bitstreams()
+        first was tried twice and cost more host time than it saved (docs/jpeg_decoding.md).
+
+        Before the decode, the host waits for the current stream's earlier work, the previous decode's
+        included (docs/jpeg_decoding.md#one-hardware-decode-at-a-time). nvJPEG's hardware decoder is not
+        ordered after that work the way a kernel is: it may write its output before earlier work has
+        read the memory the allocator handed over, and a batch started on the decoder's state while the
+        previous one was still running never finished (the fused pipeline's hang on the H200, where
+        decodes were queued back to back). Where requests are answered one at a time the stream is idle
+        by then, and the wait costs nothing."""
+        stream = torch.cuda.current_stream(self.device)
+        stream.synchronize()
+        self._last = None  # the previous decode has run: its bitstreams may go
+        phases.mark("stream drained")
         starts, total = [], 0
         for info in infos:
             starts.append(total)
@@ -195,7 +185,6 @@ class HardwareJpegDecoder:
         for k, (info, start) in enumerate(zip(infos, starts)):
             for c, (w, offset) in enumerate(zip(info.widths, plane_offsets(info))):
                 images[k].channel[c], images[k].pitch[c] = base + start + offset, w
-        stream = torch.cuda.current_stream(self.device)
         self._ok(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.state, len(datas), 1, NVJPEG_OUTPUT_YUV),
                  "nvjpegDecodeBatchedInitialize")
         pointers = (ctypes.c_char_p * len(datas))(*datas)
@@ -206,9 +195,7 @@ class HardwareJpegDecoder:
         phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
-        size = sum(map(len, datas))
-        self._in_flight.append((event, list(datas), size, stream.cuda_stream))
-        self._held_bytes += size
+        self._last = (event, list(datas))
         return DecodedPlanes(buffer, tuple(starts), tuple(infos))
 
 

@@ -154,3 +154,20 @@ def test_a_damaged_scan_gets_the_cpu_paths_answer(seed):
     assert refused > 0 and stats[("gpu", "")] > 0, stats  # both kinds were exercised
     if seed == 3:  # the large photo's checks ran on several threads (the GPU machine has the cores)
         assert scan_check.THREADS > 1 and scan_check.parallel_counts()[0] > walks
+
+
+def test_a_hardware_decode_never_writes_memory_earlier_work_still_reads():
+    """nvJPEG's hardware decoder is not ordered after its stream's earlier work the way a kernel is, so
+    decode_planes drains the stream first (docs/jpeg_decoding.md#one-hardware-decode-at-a-time). Each
+    trial frees a buffer that a sum queued behind a long GPU sleep still reads, then decodes; the decode
+    must get that very block (else the trial proves nothing) and the sum must stay right."""
+    from backends.preprocess.nvjpeg import HardwareJpegDecoder
+    from tools.nvjpeg_order_probe import jpeg, order_trial
+
+    dec = HardwareJpegDecoder(DEV)
+    blob = jpeg(448, 0)
+    info = dec.info(blob)
+    stream = torch.cuda.Stream(DEV)
+    trials = [order_trial(dec, blob, info, stream, sleep_cycles=20_000_000) for _ in range(5)]
+    assert any(reused for reused, _ in trials), "the decode never got the freed block: the test proves nothing"
+    assert all(right for reused, right in trials if reused), trials

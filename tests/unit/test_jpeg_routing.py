@@ -262,62 +262,17 @@ class _Event:
         self.done = True
 
 
-def _decoder_with(done_flags, streams=None):
+def test_closing_the_decoder_waits_for_the_latest_decode_then_lets_its_bitstreams_go():
+    """decode_planes drains its stream before each decode, so only the latest decode may still be
+    reading its bitstreams: close waits for it and drops them."""
     from backends.preprocess.nvjpeg import HardwareJpegDecoder
-    from collections import deque
 
     dec = HardwareJpegDecoder.__new__(HardwareJpegDecoder)  # no CUDA needed for the bookkeeping
-    queries = []
-    streams = streams or [7] * len(done_flags)
-    dec._in_flight = deque((_Event(done, queries), [bytes([k])], 1, s) for k, (done, s) in enumerate(zip(done_flags, streams)))
-    dec._held_bytes = len(done_flags)
-    return dec, queries
-
-
-def test_closing_the_decoder_waits_for_every_decode_then_lets_the_bitstreams_go():
-    dec, _ = _decoder_with([True, False, False], streams=[3, 7, 7])
-    events = [event for event, *_ in dec._in_flight]
+    event = _Event(False, [])
+    dec._last = (event, [b"jpeg"])
     dec.close()
-    assert all(event.done for event in events) and not dec._in_flight and dec._held_bytes == 0
-
-
-def test_bitstreams_stay_referenced_until_the_stream_has_passed_their_decode():
-    from backends.preprocess.nvjpeg import _QUERY_AFTER
-
-    few, queries = _decoder_with([True] * (_QUERY_AFTER - 1))
-    few._release_bitstreams()
-    assert len(few._in_flight) == _QUERY_AFTER - 1 and queries == []  # too few to ask
-
-    passed, queries = _decoder_with([True] * _QUERY_AFTER)
-    passed._release_bitstreams()
-    assert len(passed._in_flight) == 0 and len(queries) == 1  # the newest passed: all did, one query
-
-    # The stream is still on the third decode: the first two are dropped, the rest stay referenced.
-    busy, queries = _decoder_with([True, True] + [False] * (_QUERY_AFTER - 1))
-    busy._release_bitstreams()
-    assert [data for _, data, *_ in busy._in_flight] == [[bytes([k])] for k in range(2, _QUERY_AFTER + 1)]
-
-
-def test_a_few_large_bitstreams_are_released_without_waiting_for_more_decodes():
-    from backends.preprocess.nvjpeg import _QUERY_AFTER_BYTES
-
-    dec, queries = _decoder_with([True, False])
-    dec._in_flight[0] = (dec._in_flight[0][0], [bytes(_QUERY_AFTER_BYTES)], _QUERY_AFTER_BYTES, 7)  # large JPEGs
-    dec._held_bytes = _QUERY_AFTER_BYTES + 1
-    dec._release_bitstreams()
-    assert [data for _, data, *_ in dec._in_flight] == [[bytes([1])]] and dec._held_bytes == 1
-    assert len(queries) == 3  # the newest (not passed), then the oldest (passed), then the newest again
-
-
-def test_decodes_on_another_stream_are_not_taken_as_passed_with_the_newest():
-    from backends.preprocess.nvjpeg import _QUERY_AFTER
-
-    # The oldest decode ran on another stream, which has not passed it: the newest having passed says
-    # nothing about it, so only the passed ones after it may go once it has.
-    flags = [False] + [True] * (_QUERY_AFTER - 1)
-    dec, _ = _decoder_with(flags, streams=[3] + [7] * (_QUERY_AFTER - 1))
-    dec._release_bitstreams()
-    assert len(dec._in_flight) == _QUERY_AFTER  # nothing dropped: the oldest still holds the line
+    assert event.done and dec._last is None
+    dec.close()  # nothing held: nothing to wait for
 
 
 def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_once():
