@@ -133,7 +133,10 @@ class GraphedEncoder:
         with torch.cuda.stream(side):
             model(static, meta)
         torch.cuda.current_stream(model.device).wait_stream(side)
-        if self.pool is None:
+        if self.pool is None or not self.graphs:
+            # A fresh pool once no graph holds the old one: torch releases a graph pool when its last
+            # graph goes, and a capture into a released pool's id fails torch's internal assert
+            # (use_count > 0; seen on the H200 with max_graphs=1, each capture evicting the last graph).
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         mode = "global" if self.capture_lock is None else "thread_local"
