@@ -239,11 +239,6 @@ class Streams:
         """Around one forward's launch on `lane` (the worker's thread)."""
         return self._on(self.encoders[lane])
 
-    def quiesce_pre(self) -> None:
-        """Blocks (without the GIL) until the preprocessing queued so far has run."""
-        if self.cuda:
-            self.pre.synchronize()
-
     def record_pre(self):
         """An event marking the preprocessing queued so far (None on the CPU)."""
         return self._record(self.pre)

@@ -24,7 +24,6 @@ import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends import phases
-from backends.config import env_flag
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.pipeline import Pipeline, Streams
@@ -300,9 +299,6 @@ class _FusedJob:
     phases: dict  # its phases so far (name -> seconds); the worker adds its own
 
 
-QUIET_SEND = env_flag("KIMI_FUSED_QUIET_SEND", False)
-
-
 class FusedModel(_Adapter):
     """kimi_k25_vision_fused: the ensemble's contract, its three steps in this one instance (FusedStep).
 
@@ -419,12 +415,7 @@ class FusedModel(_Adapter):
         except Exception as exc:  # noqa: BLE001 - this request alone
             response = self.error_response(exc)
         try:
-            if QUIET_SEND:  # experiment (docs/triton_runtime.md): no preprocessing in flight during the copy
-                with self.gpu_lock:
-                    self.streams.quiesce_pre()
-                    job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            else:
-                job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         except Exception as exc:  # noqa: BLE001
             # The server answers the client itself when it cannot place the outputs; a send that fails
             # before reaching it has closed the sender all the same (python_backend 2.51): nothing more
