@@ -16,7 +16,8 @@ running the same decoder with `torch.cuda.Stream.synchronize` made a no-op:
     python -m tools.nvjpeg_order_probe --order --trials 200            # drained (the decoder as it is)
     python -m tools.nvjpeg_order_probe --order --trials 200 --no-drain
     python -m tools.nvjpeg_order_probe --hang --seconds 60 --no-drain
-Needs a GPU with a hardware JPEG decoder (A100/H100 class).
+Exit status: 0 none wrong (`--order`: and the block was reused) or none stuck; 1 a wrong sum or no
+reuse (`--order`); 3 a stuck batch (`--hang`). Needs a GPU with a hardware JPEG decoder (A100/H100 class).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def order_trial(dec: HardwareJpegDecoder, blob: bytes, info, stream: torch.cuda.
     return reused, int(total) == 7 * need
 
 
-def order(trials: int, drain: bool, sleep_cycles: int) -> None:
+def order(trials: int, drain: bool, sleep_cycles: int) -> int:
     dec = HardwareJpegDecoder(torch.device("cuda"))
     blob = jpeg(448, 0)
     info = dec.info(blob)
@@ -87,6 +88,7 @@ def order(trials: int, drain: bool, sleep_cycles: int) -> None:
             wrong += got_block and not right
     print(f"order, drain {'on' if drain else 'off'}: {trials} trials, the decode got the freed block in {reused}, "
           f"wrong sums among them: {wrong}")
+    return 1 if wrong or not reused else 0
 
 
 def hang(seconds: float, drain: bool, deadline: float) -> int:
@@ -136,8 +138,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=10.0, help="seconds a batch may take (--hang)")
     args = ap.parse_args()
     if args.order:
-        order(args.trials, args.drain, args.sleep_cycles)
-        return 0
+        return order(args.trials, args.drain, args.sleep_cycles)
     return hang(args.seconds, args.drain, args.deadline)
 
 

@@ -166,13 +166,15 @@ class HardwareJpegDecoder:
         Before the decode, the host waits for the current stream's earlier work, the previous decode's
         included (docs/jpeg_decoding.md#one-hardware-decode-at-a-time). nvJPEG's hardware decoder is not
         ordered after that work the way a kernel is: it may write its output before earlier work has
-        read the memory the allocator handed over, and a batch started on the decoder's state while the
-        previous one was still running never finished (the fused pipeline's hang on the H200, where
-        decodes were queued back to back). Where requests are answered one at a time the stream is idle
-        by then, and the wait costs nothing."""
+        read the memory the allocator handed over; and the fused pipeline, which queued decodes behind
+        earlier work with no such wait, now and then hung on the H200 with its preprocessing stream
+        never finishing, which the wait ended (the exact trigger was not isolated). Where requests are
+        answered one at a time the stream is idle by then, and the wait costs nothing."""
         stream = torch.cuda.current_stream(self.device)
         stream.synchronize()
-        self._last = None  # the previous decode has run: its bitstreams may go
+        if self._last is not None:  # it may have run on another stream (the start-up self-check's)
+            self._last[0].synchronize()
+            self._last = None  # the previous decode has run: its bitstreams may go
         phases.mark("stream drained")
         starts, total = [], 0
         for info in infos:
@@ -190,8 +192,14 @@ class HardwareJpegDecoder:
         pointers = (ctypes.c_char_p * len(datas))(*datas)
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
         phases.mark("nvJPEG buffers")
-        self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
-                                              _P(stream.cuda_stream)), "nvjpegDecodeBatched")
+        try:
+            self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
+                                                  _P(stream.cuda_stream)), "nvjpegDecodeBatched")
+        except NvJpegError:
+            # Work it queued before failing may still write `buffer` or read the bitstreams: let it end
+            # before both go (the caller falls back to Pillow, whose tensors may get the same block).
+            stream.synchronize()
+            raise
         phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
