@@ -297,7 +297,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                                       timeout=args.run_timeout or 12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
-                if served is None:  # our own server: where it waits (docs/triton_runtime.md, "Open question")
+                if served is None:  # our own server: where it waits (docs/triton_runtime.md, the fused pipeline's hang)
                     stacks = args.out / f"native_stacks_{model}_c{level}.txt"
                     native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), stacks)
                     print(f"native stacks of the server and its stubs: {stacks}", flush=True)

@@ -1,9 +1,10 @@
-"""Hunts the fused pipeline's rare hang: many requests at once for a long time, stacks on the first stall.
+"""Hunts a stall of the fused pipeline: many requests at once for a long time, stacks on the first stall.
 
-Twice on the H200 kimi_k25_vision_fused with its pipeline stopped answering at concurrency 16 with no
-error (docs/triton_runtime.md, "Open question: a hang, seen twice"): about once in ten perf_analyzer
-runs. This serves the fused model (pipeline on) and keeps `--concurrency` client threads sending the
-same request, each with its own deadline, for `--seconds`. The first request past its deadline stops
+Written for the pipeline's hang on the H200 (kimi_k25_vision_fused stopped answering at concurrency 16
+with no error), since traced to nvJPEG's hardware decode and mended (docs/triton_runtime.md, "The
+hang, found and mended"); it stays as the check for the next one. This serves the fused model
+(pipeline on) and keeps `--concurrency` client threads sending the same request, each with its own
+deadline, for `--seconds`. The first request past its deadline stops
 the hunt and leaves, beside the server's log:
 - every thread's Python stack of each fused stub (SIGUSR1; the adapter registers faulthandler on it),
   in the server's log;

@@ -2,7 +2,8 @@
 
 The fused model's watchdog (backends/serving/pipeline.py) writes its stub's Python stacks, but a thread
 that waits inside python_backend or CUDA shows there only as the Python call it entered; where it waits,
-and what the server's own threads do, needs native stacks (docs/triton_runtime.md, "Open question").
+and what the server's own threads do, needs native stacks (docs/triton_runtime.md, "The hang, found
+and mended", where they found one).
 With gdb on the machine (or cuda-gdb, which the GPU machine has instead and which attaches to any
 process): `thread apply all bt` per process. Without either: each thread's name, state and kernel wait
 channel from /proc, which at least tells a futex wait from a running thread.

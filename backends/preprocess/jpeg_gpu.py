@@ -176,8 +176,9 @@ class GpuJpegDecoder:
     def decode_async(self, blobs: list[bytes], images: list[Image.Image],
                      checks: list | None = None) -> tuple[list[torch.Tensor | None], dict]:
         """RGB (H, W, 3) uint8 on the device for each blob the hardware decoder takes (one batched decode,
-        no host sync), None for those it refuses (decode them with Pillow); and the pending scan checks
-        of the decoded ones (settle() waits for them: until then a decoded image is provisional).
+        after a host wait for the stream's earlier work: nvjpeg.py), None for those it refuses (decode
+        them with Pillow); and the pending scan checks of the decoded ones (settle() waits for them:
+        until then a decoded image is provisional).
         `images` are the opened handles: their header sizes must agree with nvJPEG's. Refusals are
         counted in `stats` on return, decoded images by the caller through count() once settled: when
         this raises, the caller decodes the whole batch with Pillow and counts it so (the checks are
