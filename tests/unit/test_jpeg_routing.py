@@ -275,6 +275,73 @@ def test_closing_the_decoder_waits_for_the_latest_decode_then_lets_its_bitstream
     dec.close()  # nothing held: nothing to wait for
 
 
+class _OrderedLib:
+    """nvJPEG's two decode calls, logged in `calls`; the decode fails with `status` if set."""
+
+    def __init__(self, calls, status=0):
+        self.calls, self.status = calls, status
+
+    def nvjpegDecodeBatchedInitialize(self, *args):
+        self.calls.append("initialize")
+        return 0
+
+    def nvjpegDecodeBatched(self, *args):
+        self.calls.append("decode")
+        return self.status
+
+
+def _logged_decoder(monkeypatch, calls, status=0):
+    """A HardwareJpegDecoder on the CPU whose stream, events and library log what decode_planes asks of
+    them, in order (no CUDA needed)."""
+    from backends.preprocess import nvjpeg
+
+    class Stream:
+        cuda_stream = 0
+
+        def synchronize(self):
+            calls.append("drain")
+
+    class Event:
+        def record(self, stream):
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("wait for the latest decode")
+
+    monkeypatch.setattr(nvjpeg.torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(nvjpeg.torch.cuda, "Event", Event)
+    dec = nvjpeg.HardwareJpegDecoder.__new__(nvjpeg.HardwareJpegDecoder)
+    dec.device, dec.lib, dec.handle, dec.state, dec._last = torch.device("cpu"), _OrderedLib(calls, status), None, None, None
+    return dec, Event
+
+
+def test_each_decode_waits_for_the_stream_and_the_latest_decode_before_it_starts(monkeypatch):
+    """nvJPEG's hardware decode is not ordered on its stream (docs/jpeg_decoding.md#one-hardware-decode-at-a-time):
+    decode_planes drains the stream, then waits for the latest decode (which may have run on another
+    stream) before it lets that decode's bitstreams go, and only then decodes."""
+    from backends.preprocess.nvjpeg import JpegInfo
+
+    calls = []
+    dec, event = _logged_decoder(monkeypatch, calls)
+    info = JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))
+    dec._last = (event(), [b"previous"])
+    planes = dec.decode_planes([b"jpeg"], [info])
+    assert calls == ["drain", "wait for the latest decode", "initialize", "decode", "record"]
+    assert dec._last[1] == [b"jpeg"] and planes.buffer.numel() >= 12  # this decode's bitstreams held
+
+
+def test_a_failed_decode_is_waited_for_before_its_buffer_goes(monkeypatch):
+    """Work nvJPEG queued before failing may still write the buffer, which the Pillow fallback's tensors
+    could get next: the stream is drained before the error goes up."""
+    from backends.preprocess.nvjpeg import JpegInfo, NvJpegError
+
+    calls = []
+    dec, _ = _logged_decoder(monkeypatch, calls, status=6)  # EXECUTION_FAILED
+    with pytest.raises(NvJpegError, match="EXECUTION_FAILED"):
+        dec.decode_planes([b"jpeg"], [JpegInfo(4, 2, 3, 2, (4, 2, 2), (2, 1, 1))])
+    assert calls == ["drain", "initialize", "decode", "drain"] and dec._last is None
+
+
 def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_once():
     """The preprocessor's fallback: the decoder raises (here its planes are not back to back) after some of
     the batch was routed; every image is then decoded by Pillow, equal to the CPU path, and counted once."""
