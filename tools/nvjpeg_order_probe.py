@@ -2,7 +2,8 @@
 
 `HardwareJpegDecoder.decode_planes` waits on the host for its stream before every decode
 (docs/jpeg_decoding.md#one-hardware-decode-at-a-time). This shows what goes wrong without that wait, by
-running the same decoder with `torch.cuda.Stream.synchronize` made a no-op:
+running the same decoder with host waits on streams and events made no-ops (`--no-drain`). The JPEGs
+are photo-like, as bench.perf sends (the committed runs of ba9738e used noise images):
 
 - `--order`: each trial queues a long GPU sleep and then a sum over a buffer filled with 7s, frees the
   buffer (the caching allocator may hand the same block out again at once, stream-ordered), and
@@ -24,39 +25,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import os
 import time
 
-import numpy as np
 import torch
-from PIL import Image
 
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, plane_bytes
+from clients.samples import encode, photo_like
 
 SLACK = 1 << 16  # decode_planes' room past the last plane: its buffer is planes + SLACK bytes
 
 
 def jpeg(side: int, seed: int) -> bytes:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=90)  # Pillow's default 4:2:0
-    return buf.getvalue()
+    """A photo-like side x side JPEG, quality 90 (Pillow's default 4:2:0), as bench.perf sends."""
+    return encode(photo_like(side, side, seed=seed), "JPEG", quality=90)
 
 
 @contextlib.contextmanager
 def drained(drain: bool):
-    """With drain False, stream waits on the host do nothing (the decoder's wait included)."""
+    """With drain False, host waits on streams and events do nothing: the decoder's wait for its stream
+    and for its latest decode both (this probe keeps the bitstreams alive itself)."""
     if drain:
         yield
         return
-    original = torch.cuda.Stream.synchronize
-    torch.cuda.Stream.synchronize = lambda self: None
+    originals = torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize
+    torch.cuda.Stream.synchronize = torch.cuda.Event.synchronize = lambda self: None
     try:
         yield
     finally:
-        torch.cuda.Stream.synchronize = original
+        torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize = originals
 
 
 def order_trial(dec: HardwareJpegDecoder, blob: bytes, info, stream: torch.cuda.Stream,
