@@ -23,6 +23,7 @@
 #   memprobe (device memory across the soak's requests in one process, no server: tools/memory_probe.py),
 #   senderrace (python_backend's response sender from a thread, with a tiny model: tools/sender_race_probe.py),
 #   hunt (the fused pipeline's rare hang, hunted with perf_analyzer: HUNT_RUNS, HUNT_IMAGES, HUNT_CONCURRENCY),
+#   timeline (GPU busy and idle inside the fused model at 16 against the encoder alone: tools/gpu_timeline.py),
 #   lanesprobe (the fused model's answers at concurrency 16 against one at a time, real size: tools/lanes_probe.py)
 # Carry what the host lacks: .whl/gpu and .whl/perf, made by tools/pack_gpu_wheels.sh (under 64 MiB).
 # Results go to a scratch folder; $OUT receives the tables and one results.tgz (logs, CSV, JSON).
@@ -74,7 +75,7 @@ perfanalyzer() {  # both ensembles, CUDA shared memory for the outputs, the enco
   done
   cat "$out/perf_gpu.md"
 }
-SUMMARIES="sender_race.md launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md lanes_probe.md"
+SUMMARIES="timeline.md sender_race.md launcher.md encoder_sustained.md gpu_tests.log decode_bench.md stage_bench.md stage_cpulat.md perf_gpu.md soak_gpu.md e2e_bench.md preprocess_probe.md memory_probe.md scan_check_probe.md lanes_probe.md"
 # A warm machine keeps /tmp/results from an earlier call: its summaries must neither come back as this
 # call's nor crowd this call's out of the device tool's few returned files (perf_gpu.md collects every
 # perf_analyzer stage of one call).
@@ -285,6 +286,23 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
       cat "$out/perf-hunt/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_hunt.log"
       [[ -n "${OUT:-}" ]] && cp "$out"/perf-hunt/native_stacks_*.txt "$OUT/" 2>/dev/null
       cat "$out/perf_gpu.md" ;;
+    timeline)  # is the GPU idle between the fused model's forwards at concurrency 16, or are they slower than
+      # the encoder alone's? A torch profiler window (TIMELINE_CALLS requests after 300) inside the fused model,
+      # pipeline on (TIMELINE_IMAGES, default 8x448; KIMI_FUSED_LANES as set), and the encoder alone traced the
+      # same way; tools/gpu_timeline.py summarizes both and sets their kernels side by side.
+      perf_setup; random_checkpoint
+      rm -rf "$out/perf-timeline" "$out/prof"; calls=${TIMELINE_CALLS:-40}
+      KIMI_PROFILE_DIR="$out/prof" KIMI_PROFILE_TRACE=1 KIMI_PROFILE_SKIP=300 KIMI_PROFILE_CALLS=$calls \
+        timeout -s INT -k 60 240 "${PERF[@]}" --images ${TIMELINE_IMAGES:-8x448} --concurrency 16 --ensembles fused \
+        --fused-pipeline --out "$out/perf-timeline" > "$out/perf_gpu_timeline.log" 2>&1
+      cat "$out/perf-timeline/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_timeline.log"
+      trace=$(ls "$out"/prof/kimi_k25_vision_fused-*.json 2> /dev/null | head -1)
+      python3 -m tools.gpu_timeline --encoder-alone "$out/prof/alone.json" --checkpoint /tmp/kimi-random \
+        --images ${TIMELINE_IMAGES:-8x448} --alone-requests $calls > "$out/timeline.md" 2>&1
+      [[ -n "$trace" ]] && python3 -m tools.gpu_timeline "$trace" --requests $calls --compare "$out/prof/alone.json" \
+        --compare-requests $calls >> "$out/timeline.md" 2>&1
+      rm -f "$out"/prof/*.json  # large; the summaries carry what they say
+      cat "$out/perf_gpu.md" "$out/timeline.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
       # SIGINT, not SIGTERM: the probe unwinds and stops its server (a SIGTERM left it running)
       # LANES_ARGS adds probe arguments, e.g. "--lanes 1 --cases 8x448" (one lane, that case first)

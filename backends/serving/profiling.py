@@ -4,7 +4,9 @@ With KIMI_PROFILE_DIR set, each model instance profiles a window of its `execute
 KIMI_PROFILE_SKIP calls, default 5, and once the file KIMI_PROFILE_TRIGGER exists if that is set,
 the next KIMI_PROFILE_CALLS, default 5) with torch's profiler (host and CUDA activity) and cProfile
 (the Python around the torch ops), and writes both tables to <dir>/<model>-<pid>.txt when the window
-ends or the model is unloaded. Off (and free) otherwise. bench/stage_bench.py uses it.
+ends or the model is unloaded; with KIMI_PROFILE_TRACE=1 also torch's chrome trace beside it
+(<model>-<pid>.json, for tools/gpu_timeline.py: how busy the GPU was). Off (and free) otherwise.
+bench/stage_bench.py uses it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class ExecuteProfiler:
             threads = ", ".join(t.name for t in threading.enumerate())
             out = Path(self.dir) / f"{self.model}-{os.getpid()}.txt"
             out.parent.mkdir(parents=True, exist_ok=True)
+            if self.torch and env_flag("KIMI_PROFILE_TRACE", False):
+                self.prof.export_chrome_trace(str(out.with_suffix(".json")))
             out.write_text(f"{self.model}: {self.in_window} execute calls from call {self.opened}\n"
                            f"Python threads: {threads}; CUDA device flags: {cuda_device_flags()}\n"
                            f"(a window's own host time: Self CPU; GPU kernels: Self CUDA)\n{table}\n"

@@ -56,3 +56,18 @@ def test_a_profiler_that_cannot_write_turns_itself_off(tmp_path, monkeypatch):
     p = ExecuteProfiler("m")
     _calls(p, 5)  # the window closes at the second call, fails to write, and profiling stops
     assert p.prof is None and p.dir == "" and p.calls == 1
+
+
+def test_the_trace_is_written_beside_the_tables_when_asked(tmp_path, monkeypatch):
+    from tools import gpu_timeline
+
+    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
+    monkeypatch.setenv("KIMI_PROFILE_CALLS", "2")
+    monkeypatch.setenv("KIMI_PROFILE_TRACE", "1")
+    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    p = ExecuteProfiler("m")
+    _calls(p, 4)
+    (trace,) = tmp_path.glob("m-*.json")
+    assert trace.with_suffix(".txt").exists()
+    assert "traceEvents" in gpu_timeline.load(trace)  # tools/gpu_timeline.py reads it (no GPU events here)
