@@ -297,12 +297,13 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
         --fused-pipeline --out "$out/perf-timeline" > "$out/perf_gpu_timeline.log" 2>&1
       cat "$out/perf-timeline/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_timeline.log"
       trace=$(ls "$out"/prof/kimi_k25_vision_fused-*.json 2> /dev/null | head -1)
+      echo "## ${TIMELINE_IMAGES:-8x448}, KIMI_FUSED_LANES=${KIMI_FUSED_LANES:-2} (default 2)" >> "$out/timeline.md"
       python3 -m tools.gpu_timeline --encoder-alone "$out/prof/alone.json" --checkpoint /tmp/kimi-random \
-        --images ${TIMELINE_IMAGES:-8x448} --alone-requests $calls > "$out/timeline.md" 2>&1
+        --images ${TIMELINE_IMAGES:-8x448} --alone-requests $calls >> "$out/timeline.md" 2>&1
       [[ -n "$trace" ]] && python3 -m tools.gpu_timeline "$trace" --requests $calls --compare "$out/prof/alone.json" \
         --compare-requests $calls >> "$out/timeline.md" 2>&1
       rm -f "$out"/prof/*.json  # large; the summaries carry what they say
-      cat "$out/perf_gpu.md" "$out/timeline.md" ;;
+      cat "$out/timeline.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size
       # SIGINT, not SIGTERM: the probe unwinds and stops its server (a SIGTERM left it running)
       # LANES_ARGS adds probe arguments, e.g. "--lanes 1 --cases 8x448" (one lane, that case first)
