@@ -288,20 +288,28 @@ i = sample_images(); c = KimiVisionClient('localhost:8301', protocol='grpc'); pr
       cat "$out/perf_gpu.md" ;;
     timeline)  # is the GPU idle between the fused model's forwards at concurrency 16, or are they slower than
       # the encoder alone's? A torch profiler window (TIMELINE_CALLS requests after 300) inside the fused model,
-      # pipeline on (TIMELINE_IMAGES, default 8x448; KIMI_FUSED_LANES as set), and the encoder alone traced the
-      # same way; tools/gpu_timeline.py summarizes both and sets their kernels side by side.
+      # pipeline on, TIMELINE_IMAGES (default 8x448), once per lane count in TIMELINE_LANES (default "1 2"); and
+      # the encoder alone traced the same way. tools/gpu_timeline.py summarizes each, lists the longest idle
+      # gaps with what launched the work after them, and sets the kernels beside the encoder alone's.
       perf_setup; random_checkpoint
-      rm -rf "$out/perf-timeline" "$out/prof"; calls=${TIMELINE_CALLS:-40}
-      KIMI_PROFILE_DIR="$out/prof" KIMI_PROFILE_TRACE=1 KIMI_PROFILE_SKIP=300 KIMI_PROFILE_CALLS=$calls \
-        timeout -s INT -k 60 240 "${PERF[@]}" --images ${TIMELINE_IMAGES:-8x448} --concurrency 16 --ensembles fused \
-        --fused-pipeline --out "$out/perf-timeline" > "$out/perf_gpu_timeline.log" 2>&1
-      cat "$out/perf-timeline/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_timeline.log"
-      trace=$(ls "$out"/prof/kimi_k25_vision_fused-*.json 2> /dev/null | head -1)
-      echo "## ${TIMELINE_IMAGES:-8x448}, KIMI_FUSED_LANES=${KIMI_FUSED_LANES:-2} (default 2)" >> "$out/timeline.md"
+      calls=${TIMELINE_CALLS:-40} images=${TIMELINE_IMAGES:-8x448}
+      rm -rf "$out/prof"; mkdir -p "$out/prof"
       python3 -m tools.gpu_timeline --encoder-alone "$out/prof/alone.json" --checkpoint /tmp/kimi-random \
-        --images ${TIMELINE_IMAGES:-8x448} --alone-requests $calls >> "$out/timeline.md" 2>&1
-      [[ -n "$trace" ]] && python3 -m tools.gpu_timeline "$trace" --requests $calls --compare "$out/prof/alone.json" \
-        --compare-requests $calls >> "$out/timeline.md" 2>&1
+        --images $images --alone-requests $calls 2>&1 | grep -v -i "warn" > "$out/timeline-alone.md"
+      for lanes in ${TIMELINE_LANES:-1 2}; do
+        rm -rf "$out/perf-timeline-$lanes" "$out"/prof/kimi_k25_vision_fused-*
+        KIMI_PROFILE_DIR="$out/prof" KIMI_PROFILE_TRACE=1 KIMI_PROFILE_SKIP=300 KIMI_PROFILE_CALLS=$calls \
+          timeout -s INT -k 60 240 "${PERF[@]}" --images $images --concurrency 16 --ensembles fused \
+          --fused-pipeline --fused-lanes $lanes --out "$out/perf-timeline-$lanes" > "$out/perf_gpu_timeline_$lanes.log" 2>&1
+        cat "$out/perf-timeline-$lanes/perf_summary.md" >> "$out/perf_gpu.md" || tail -20 "$out/perf_gpu_timeline_$lanes.log"
+        echo "## $images at 16, pipeline on, $lanes lane(s)" >> "$out/timeline.md"
+        trace=$(ls "$out"/prof/kimi_k25_vision_fused-*.json 2> /dev/null | head -1)
+        if [[ -n "$trace" ]]; then
+          python3 -m tools.gpu_timeline "$trace" --requests $calls --compare "$out/prof/alone.json" \
+            --compare-requests $calls >> "$out/timeline.md" 2>&1
+        else echo "no trace written" >> "$out/timeline.md"; fi
+        save
+      done
       rm -f "$out"/prof/*.json  # large; the summaries carry what they say
       cat "$out/timeline.md" ;;
     lanesprobe) random_checkpoint  # the fused model's answers under load against one at a time, real size

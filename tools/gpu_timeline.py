@@ -70,6 +70,42 @@ def summarize(events: list[dict]) -> dict:
     }
 
 
+def gap_details(trace: dict, n: int = 8) -> list[str]:
+    """The `n` longest idle gaps of the GPU, each with the GPU events either side and the host call that
+    launched the event after it: launched after the gap began means the host was late (the GPU had
+    nothing queued); launched before means the GPU waited on something else (an event, a dependency)."""
+    events = sorted(gpu_events(trace), key=lambda e: float(e["ts"]))
+    if not events:
+        return []
+    origin = float(events[0]["ts"])
+    runtime = {(e.get("args") or {}).get("correlation"): e for e in trace.get("traceEvents", [])
+               if e.get("ph") == "X" and e.get("cat", "").lower() in ("cuda_runtime", "cuda_driver")}
+    threads = {e.get("tid"): (e.get("args") or {}).get("name", "") for e in trace.get("traceEvents", [])
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    ops = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat", "").lower() == "cpu_op"]
+    gaps, last, end = [], events[0], float(events[0]["ts"]) + float(events[0]["dur"])
+    for e in events[1:]:
+        start = float(e["ts"])
+        if start > end:
+            gaps.append((start - end, end, last, e))
+        if start + float(e["dur"]) > end:
+            last, end = e, start + float(e["dur"])
+    lines = []
+    for gap, at, before, after in sorted(gaps, key=lambda g: -g[0])[:n]:
+        stream = lambda ev: (ev.get("args") or {}).get("stream", "?")  # noqa: E731
+        line = (f"- {gap:.0f} us idle at +{(at - origin) / 1000:.1f} ms: after {before.get('name', '?')[:40]} "
+                f"(stream {stream(before)}), then {after.get('name', '?')[:40]} (stream {stream(after)})")
+        launch = runtime.get((after.get("args") or {}).get("correlation"))
+        if launch is not None:
+            ts, tid = float(launch["ts"]), launch.get("tid")
+            around = [o for o in ops if o.get("tid") == tid and float(o["ts"]) <= ts <= float(o["ts"]) + float(o["dur"])]
+            outer = max(around, key=lambda o: float(o["dur"]), default=None)
+            line += (f"; launched by {launch.get('name', '?')} at {ts - at:+.0f} us from the gap's start on "
+                     f"{threads.get(tid, tid)}" + (f", inside {outer.get('name', '?')[:50]}" if outer else ""))
+        lines.append(line)
+    return lines
+
+
 def kernels_by_name(events: list[dict]) -> dict[str, tuple[int, float]]:
     """name -> (count, total us), GPU events only."""
     table: dict = defaultdict(lambda: [0, 0.0])
@@ -154,8 +190,11 @@ def main(argv=None) -> int:
             args.trace, args.requests = args.encoder_alone, args.alone_requests
     if args.trace is None:
         ap.error("give a trace, or --encoder-alone")
-    events = gpu_events(load(args.trace))
+    trace = load(args.trace)
+    events = gpu_events(trace)
     print("\n".join(report(summarize(events), args.requests, args.trace.name)))
+    print("  the longest idle gaps:")
+    print("\n".join(gap_details(trace)))
     if args.compare is not None:
         other = gpu_events(load(args.compare))
         print("\n".join(report(summarize(other), args.compare_requests, args.compare.name)))

@@ -45,3 +45,17 @@ def test_kernels_by_name_and_their_comparison_per_request():
     lines = gpu_timeline.compare(a, 2, b, 1, ("server", "alone"))
     assert lines[2] == "| gemm | 1.0, 20.0 | 1.0, 15.0 | +5.0 |"
     assert lines[-1] == "| all | 22.0 | 15.0 | +7.0 |"
+
+
+def test_a_gap_names_what_launched_the_event_after_it_and_when():
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "tid": 5, "args": {"name": "worker"}},
+        {"ph": "X", "cat": "cpu_op", "name": "encode", "tid": 5, "ts": 100, "dur": 400},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": 5, "ts": 300, "dur": 5,
+         "args": {"correlation": 9}},
+        {**event(0, 100), "name": "first"},
+        {**event(400, 10), "name": "second", "args": {"stream": 7, "correlation": 9}},
+    ]}
+    (line,) = gpu_timeline.gap_details(trace)
+    assert line.startswith("- 300 us idle at +0.1 ms: after first (stream 7), then second (stream 7)")
+    assert line.endswith("launched by cudaGraphLaunch at +200 us from the gap's start on worker, inside encode")
