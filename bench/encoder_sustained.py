@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -31,59 +29,9 @@ import torch
 
 from backends.deploy.repository import Deployment
 from backends.weights.load import load_model
+from bench.gpu_clocks import ClockSampler
 from bench.gpu_timing import machine_line, timed, write_report
 from bench.perf import encoder_workload, request_images
-
-
-def _gpu_id() -> str:
-    """This process's cuda:0 as nvidia-smi names it (its UUID: nvidia-smi's indices ignore
-    CUDA_VISIBLE_DEVICES)."""
-    uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
-    return ("GPU-" + uuid if uuid and not uuid.startswith("GPU-") else uuid) or "0"
-
-
-class ClockSampler:
-    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for this process's cuda:0, and the
-    power limit it reports."""
-
-    def __init__(self):
-        self.samples: list[tuple[float, float, float]] = []
-        self.limit_w = float("nan")
-        try:
-            self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
-                 "-lms", "100", "-i", _gpu_id()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        except OSError:
-            self.proc = None
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            try:
-                mhz, watts, self.limit_w = (float(x) for x in line.split(","))
-            except ValueError:
-                continue
-            self.samples.append((time.perf_counter(), mhz, watts))
-
-    def between(self, t0: float, t1: float) -> str:
-        picked = [(m, w) for t, m, w in self.samples if t0 <= t <= t1]
-        if not picked:
-            return "-"
-        return f"{statistics.median(m for m, _ in picked):.0f} MHz, {statistics.median(w for _, w in picked):.0f} W"
-
-    def close(self) -> str:
-        """Stops sampling; nvidia-smi's complaint if it gave no sample (a rejected -i or field)."""
-        if self.proc is None:
-            return "nvidia-smi not found"
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return "" if self.samples else "nvidia-smi gave no samples and did not stop"
-        # stdout belongs to the reader thread; stderr is read here, once nvidia-smi has exited.
-        return "" if self.samples else f"nvidia-smi gave no samples: {self.proc.stderr.read().strip()[:300]}"
 
 
 def _one(fn) -> float:

@@ -47,6 +47,7 @@ from backends.preprocess.decode import open_image
 from backends.preprocess.media import plan_media
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
+from bench.gpu_clocks import ClockSampler
 
 # What --ensembles names: the two ensembles, and the one-model route of the same contract (rendered when asked for).
 ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE, "fused": FUSED}
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
+    ap.add_argument("--alone-seconds", type=float, default=5.0,
+                    help="with --encoder-alone: also time it back to back for this long (0: the burst only)")
     ap.add_argument("--perf-dir", type=Path, default=Path(".venv/perf_analyzer"))
     ap.add_argument("--concurrency", default="1,2,4", help="comma-separated concurrency levels")
     ap.add_argument("--images", default="sample",
@@ -260,6 +263,9 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     server = served or deployment_server(dep, f"perf-{device}", env=mps_env)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
     rows, phase_lines = [], []
+    # The GPU's clock while each run goes (bench/gpu_clocks.py): near the power limit it follows the load,
+    # so a served figure and the encoder alone's are read with their clocks beside them.
+    clocks = ClockSampler() if device == "gpu" else None
     # KIMI_PHASES=1 (backends/phases.py): our own server inherits it, so its stubs count their phases
     phases_on = phases.ENABLED and served is None
     t0 = time.monotonic()
@@ -290,6 +296,7 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             print("$", shlex.join(cmd), flush=True)
             counts_before = encoder_counts(server.grpc_url)
             phases_before = phase_totals(server.metrics_url) if phases_on else None
+            run_start = time.perf_counter()
             try:
                 # At most --max-trials windows plus start-up and draining. A run past that is taken as hung:
                 # its stacks are written and the later runs are not started (the server may be stuck).
@@ -319,11 +326,15 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             if counts_before and counts_after and counts_after[1] > counts_before[1]:
                 batch = (counts_after[0] - counts_before[0]) / (counts_after[1] - counts_before[1])
             with open(csv_path) as f:
-                rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch} for row in csv.DictReader(f)]
+                clock = clocks.between(run_start, time.perf_counter()) if clocks else "-"
+                rows += [{**row, "model": model, "shm": shm, "encoder_batch": batch, "clock": clock}
+                         for row in csv.DictReader(f)]
     wall = time.monotonic() - t0
     if daemon is not None and not daemon.stop():
         print(f"warning: the MPS daemon was still running {mps.STOP_TIMEOUT_S:.0f} s after the server stopped")
-    encoder_line = encoder_alone_line(dep, images) if args.encoder_alone and not served else ""
+    encoder_line = (encoder_alone_line(dep, images, clocks, args.alone_seconds)
+                    if args.encoder_alone and not served else "")
+    clock_complaint = clocks.close() if clocks else ""
     if encoder_line and daemon is not None:
         encoder_line += " (no MPS)"
 
@@ -355,6 +366,10 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         lines.append(f"{head} {rps:9.2f} {len(images) * rps:9.2f} {_ms(row, 'p50 latency'):9.1f} "
                      f"{_ms(row, 'p99 latency'):9.1f} {_ms(row, 'Server Compute Output'):8.1f} "
                      f"{_ms(row, 'Network+Server Send/Recv'):8.1f} {row.get('encoder_batch', float('nan')):9.2f}")
+    if clocks is not None:
+        lines.append("GPU SM clock and power while each run went (medians of nvidia-smi's 100 ms samples, warm-up "
+                     "and drain included): " + (clock_complaint or "; ".join(
+                         f"{row['model']} c={row['Concurrency']}: {row['clock']}" for row in rows if "failed" not in row)))
     text = "\n".join(lines + phase_lines)
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
@@ -430,9 +445,11 @@ def encoder_workload(model, cfg, images: list[bytes], cuda_graphs: int, batch: i
     return encoder, (pixels, grids), full
 
 
-def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
+def encoder_alone_line(dep: Deployment, images: list[bytes], clocks=None, seconds: float = 0.0) -> str:
     """The encoder alone in this process, as the server runs it (bf16, CUDA graphs), on the request's
-    pixels: the images/s it allows, to compare the served images/s with in the same run."""
+    pixels: the images/s it allows, to compare the served images/s with in the same run. With `seconds`,
+    also the same forward back to back for that long (no host wait between forwards, as a loaded server
+    queues them), timed over its second half: the rate under sustained load, clock beside it."""
     import statistics
 
     import torch
@@ -443,12 +460,41 @@ def encoder_alone_line(dep: Deployment, images: list[bytes]) -> str:
     model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)
     full = dep.max_batch
     encoder, (pixels, grids), (batch_pixels, batch_grids) = encoder_workload(model, cfg, images, dep.cuda_graphs, full)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     ms = statistics.median(timed(lambda: encoder(pixels, grids), 20, warmup=3))
+    burst_clock = f" ({clocks.between(t0, time.perf_counter())})" if clocks else ""
     # What moonvit3d runs under load: a full dynamic batch in one forward, per request.
     batch_ms = statistics.median(timed(lambda: encoder(batch_pixels, batch_grids), 5, warmup=2)) / full
-    return (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
-            f"{1000 / ms * len(images):.1f} images/s; {full} requests in one forward (a full moonvit3d batch"
+    line = (f"encoder alone (this process, same weights and pixels, CUDA graphs): {ms:.2f} ms per request = "
+            f"{1000 / ms * len(images):.1f} images/s{burst_clock}; {full} requests in one forward (a full moonvit3d batch"
             f"{', eager' if not encoder.applies(batch_pixels.shape[0]) else ''}): {batch_ms:.2f} ms per request")
+    if seconds > 0:
+        sustained_ms, clock = back_to_back(lambda: encoder(pixels, grids), seconds, clocks)
+        line += (f"; back to back for {seconds:g} s (second half): {sustained_ms:.2f} ms per request = "
+                 f"{1000 / sustained_ms * len(images):.1f} images/s ({clock})")
+    return line
+
+
+def back_to_back(fn, seconds: float, clocks=None) -> tuple[float, str]:
+    """fn (GPU work) queued call after call for `seconds`, the host waiting only every 8 calls so that the
+    GPU never idles: ms per call over the second half, and the clock then ('-' without a sampler)."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    half_at, half_calls, calls = None, 0, 0
+    while True:
+        for _ in range(8):
+            fn()
+        calls += 8
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if half_at is None and now - start >= seconds / 2:
+            half_at, half_calls = now, calls
+        if now - start >= seconds and calls > half_calls:
+            break
+    return (now - half_at) * 1000 / (calls - half_calls), (clocks.between(half_at, now) if clocks else "-")
 
 
 if __name__ == "__main__":
