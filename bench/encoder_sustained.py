@@ -8,7 +8,9 @@ process, one after the other, and samples `nvidia-smi` (SM clock, power draw and
 meanwhile (nvidia-smi's power reading is itself an average, so a burst's watts lag):
 
 - `burst`: 20 calls after 3 warm-ups (bench/perf.py's measurement of one request);
-- `sustained`: calls back to back for `--seconds`, reported over the last half;
+- `sustained`: calls one after another for `--seconds` (the host waits for each), over the last half;
+- `back to back`: calls queued with no host wait between them for `--seconds` (as a loaded server keeps
+  the GPU fed; bench/perf.py's `--alone-seconds` figure), over the last half;
 - the same two for a full moonvit3d batch (`--batch` requests in one forward, eager over the graphs'
   patch bound), which is what the encoder runs under concurrency.
 
@@ -31,7 +33,7 @@ from backends.deploy.repository import Deployment
 from backends.weights.load import load_model
 from bench.gpu_clocks import ClockSampler
 from bench.gpu_timing import machine_line, timed, write_report
-from bench.perf import encoder_workload, request_images
+from bench.perf import back_to_back, encoder_workload, request_images
 
 
 def _one(fn) -> float:
@@ -67,9 +69,10 @@ def measure(model, cfg, kind: str, batch: int, seconds: float, rest: float, cloc
              "| forward | how | ms per request | images/s | SM clock, power (median) |", "|---|---|---|---|---|"]
     images = len(grids)
     for label, (fn, n) in (("one request", one), (f"{batch} requests", full)):
-        for how in ("burst", "sustained", "burst"):
+        for how in ("burst", "sustained", "back to back", "burst"):
             time.sleep(rest)
-            ms, clock = burst(fn, clocks) if how == "burst" else sustained(fn, seconds, clocks)
+            ms, clock = (burst(fn, clocks) if how == "burst" else sustained(fn, seconds, clocks) if how == "sustained"
+                         else back_to_back(fn, seconds, clocks))
             ms /= n
             lines.append(f"| {label} | {how} | {ms:.2f} | {1000 / ms * images:.1f} | {clock} |")
             results.append({"images": kind, "forward": label, "how": how, "ms_per_request": ms, "clock": clock})

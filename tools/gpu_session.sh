@@ -224,8 +224,9 @@ print(len(mps.daemon_pids(mps.Daemon.under(mps.folder_for('perf')).pipe_dir)))")
         [[ -n $holder ]] && { kill $holder; wait $holder 2> /dev/null; }
       done
       cat "$out/stage_cpulat.md" ;;
-    sustained) random_checkpoint
-      python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" > "$out/encoder_sustained.log" 2>&1
+    sustained) random_checkpoint  # SUSTAINED_ARGS adds arguments, e.g. "--images 8x448 --seconds 30"
+      python3 -m bench.encoder_sustained --checkpoint /tmp/kimi-random --out "$out" ${SUSTAINED_ARGS:-} \
+        > "$out/encoder_sustained.log" 2>&1
       tail -40 "$out/encoder_sustained.log" ;;
     launcher)  # `make serve`'s launcher itself on the GPU with LAUNCHER_ARGS (default: the CPU wake-up latency
       # hold, its own MPS daemon, two encoder instances; LAUNCHER_ARGS= for none): ready, the descriptor
