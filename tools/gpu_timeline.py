@@ -61,7 +61,7 @@ def summarize(events: list[dict]) -> dict:
         stream[1] += float(e["dur"])
     return {
         "events": len(events), "span_us": span, "busy_us": busy, "idle_us": span - busy,
-        # time covered by two or more events at once (the sum of durations beyond the union)
+        # the sum of durations beyond the union: time two events ran at once (three at once count twice)
         "overlap_us": durations - busy,
         "gaps": {bound: (sum(1 for g in gaps if g >= bound), sum(g for g in gaps if g >= bound))
                  for bound in GAP_BOUNDS_US},
@@ -124,7 +124,7 @@ def report(summary: dict, requests: int | None, label: str) -> list[str]:
     ms = lambda us: us / 1000 / per  # noqa: E731
     lines = [f"{label}: {summary['events']} GPU events; {unit}: span {ms(summary['span_us']):.2f} ms, "
              f"busy {ms(summary['busy_us']):.2f} ms ({summary['busy_us'] / summary['span_us']:.1%} of the span), "
-             f"idle {ms(summary['idle_us']):.2f} ms, two or more at once {ms(summary['overlap_us']):.2f} ms"]
+             f"idle {ms(summary['idle_us']):.2f} ms, overlap (durations beyond the busy time) {ms(summary['overlap_us']):.2f} ms"]
     lines.append("  idle gaps: " + "; ".join(
         f">= {bound:g} us: {n} totalling {total / 1000:.2f} ms" for bound, (n, total) in summary["gaps"].items())
         + "; largest " + ", ".join(f"{g:.0f}" for g in summary["largest_gaps_us"]) + " us")
