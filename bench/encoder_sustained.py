@@ -32,8 +32,8 @@ import torch
 from backends.deploy.repository import Deployment
 from backends.weights.load import load_model
 from bench.gpu_clocks import ClockSampler
-from bench.gpu_timing import machine_line, timed, write_report
-from bench.perf import back_to_back, encoder_workload, request_images
+from bench.gpu_timing import back_to_back, machine_line, timed, write_report
+from bench.perf import encoder_workload, request_images
 
 
 def _one(fn) -> float:

@@ -64,6 +64,25 @@ def timed(fn, iters: int, warmup: int = 2, before=None) -> list[float]:
     return times
 
 
+def back_to_back(fn, seconds: float, clocks=None) -> tuple[float, str]:
+    """fn (GPU work) queued call after call for `seconds`, the host waiting only every 8 calls so that the
+    GPU never idles: ms per call over the second half, and the clock then ('-' without a sampler)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    half_at, half_calls, calls = None, 0, 0
+    while True:
+        for _ in range(8):
+            fn()
+        calls += 8
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if half_at is None and now - start >= seconds / 2:
+            half_at, half_calls = now, calls
+        if now - start >= seconds and calls > half_calls:
+            break
+    return (now - half_at) * 1000 / (calls - half_calls), (clocks.between(half_at, now) if clocks else "-")
+
+
 def wall_time_ms(fn, *, warmup: int = 1, iters: int = 5) -> float:
     """Median of `timed`."""
     return statistics.median(timed(fn, iters, warmup))

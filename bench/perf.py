@@ -455,7 +455,7 @@ def encoder_alone_line(dep: Deployment, images: list[bytes], clocks=None, second
     import torch
 
     from backends.weights.load import load_model
-    from bench.gpu_timing import timed
+    from bench.gpu_timing import back_to_back, timed
 
     model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)
     full = dep.max_batch
@@ -474,27 +474,6 @@ def encoder_alone_line(dep: Deployment, images: list[bytes], clocks=None, second
         line += (f"; back to back for {seconds:g} s (second half): {sustained_ms:.2f} ms per request = "
                  f"{1000 / sustained_ms * len(images):.1f} images/s ({clock})")
     return line
-
-
-def back_to_back(fn, seconds: float, clocks=None) -> tuple[float, str]:
-    """fn (GPU work) queued call after call for `seconds`, the host waiting only every 8 calls so that the
-    GPU never idles: ms per call over the second half, and the clock then ('-' without a sampler)."""
-    import torch
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    half_at, half_calls, calls = None, 0, 0
-    while True:
-        for _ in range(8):
-            fn()
-        calls += 8
-        torch.cuda.synchronize()
-        now = time.perf_counter()
-        if half_at is None and now - start >= seconds / 2:
-            half_at, half_calls = now, calls
-        if now - start >= seconds and calls > half_calls:
-            break
-    return (now - half_at) * 1000 / (calls - half_calls), (clocks.between(half_at, now) if clocks else "-")
 
 
 if __name__ == "__main__":
