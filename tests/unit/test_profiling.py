@@ -3,6 +3,17 @@
 from backends.serving.profiling import ExecuteProfiler
 
 
+def _window(monkeypatch, folder, skip, calls, trigger=None):
+    """The profiler's settings for one test: its folder, the calls it skips, the calls in its window."""
+    monkeypatch.setenv("KIMI_PROFILE_DIR", str(folder))
+    monkeypatch.setenv("KIMI_PROFILE_SKIP", str(skip))
+    monkeypatch.setenv("KIMI_PROFILE_CALLS", str(calls))
+    if trigger is None:
+        monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    else:
+        monkeypatch.setenv("KIMI_PROFILE_TRIGGER", str(trigger))
+
+
 def _calls(profiler, n):
     for _ in range(n):
         with profiler():
@@ -18,10 +29,7 @@ def test_off_without_a_directory(tmp_path, monkeypatch):
 
 
 def test_window_after_skip_holds_the_asked_calls(tmp_path, monkeypatch):
-    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setenv("KIMI_PROFILE_SKIP", "2")
-    monkeypatch.setenv("KIMI_PROFILE_CALLS", "3")
-    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    _window(monkeypatch, tmp_path, skip=2, calls=3)
     p = ExecuteProfiler("m")
     _calls(p, 10)
     (out,) = tmp_path.glob("m-*.txt")
@@ -32,10 +40,7 @@ def test_window_after_skip_holds_the_asked_calls(tmp_path, monkeypatch):
 
 def test_trigger_file_opens_the_window_and_unloading_writes_it(tmp_path, monkeypatch):
     trigger = tmp_path / "START"
-    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
-    monkeypatch.setenv("KIMI_PROFILE_CALLS", "5")
-    monkeypatch.setenv("KIMI_PROFILE_TRIGGER", str(trigger))
+    _window(monkeypatch, tmp_path, skip=0, calls=5, trigger=trigger)
     p = ExecuteProfiler("m")
     _calls(p, 4)
     assert p.prof is None and not list(tmp_path.glob("m-*.txt"))
@@ -49,10 +54,7 @@ def test_trigger_file_opens_the_window_and_unloading_writes_it(tmp_path, monkeyp
 def test_a_profiler_that_cannot_write_turns_itself_off(tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")  # KIMI_PROFILE_DIR names a file: writing the tables must fail
-    monkeypatch.setenv("KIMI_PROFILE_DIR", str(blocker))
-    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
-    monkeypatch.setenv("KIMI_PROFILE_CALLS", "0")  # clamped to 1
-    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
+    _window(monkeypatch, blocker, skip=0, calls=0)  # 0 calls: clamped to 1
     p = ExecuteProfiler("m")
     _calls(p, 5)  # the window closes at the second call, fails to write, and profiling stops
     assert p.prof is None and p.dir == "" and p.calls == 1
@@ -61,11 +63,8 @@ def test_a_profiler_that_cannot_write_turns_itself_off(tmp_path, monkeypatch):
 def test_the_trace_is_written_beside_the_tables_when_asked(tmp_path, monkeypatch):
     from tools import gpu_timeline
 
-    monkeypatch.setenv("KIMI_PROFILE_DIR", str(tmp_path))
-    monkeypatch.setenv("KIMI_PROFILE_SKIP", "0")
-    monkeypatch.setenv("KIMI_PROFILE_CALLS", "2")
+    _window(monkeypatch, tmp_path, skip=0, calls=2)
     monkeypatch.setenv("KIMI_PROFILE_TRACE", "1")
-    monkeypatch.delenv("KIMI_PROFILE_TRIGGER", raising=False)
     p = ExecuteProfiler("m")
     _calls(p, 4)
     (trace,) = tmp_path.glob("m-*.json")
