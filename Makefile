@@ -15,7 +15,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 CKPT_ARG := $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
-.PHONY: setup compiler run serve test unit integration validate configs perf soak clean
+.PHONY: setup compiler run serve test unit integration lab-test validate configs perf soak clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,10 @@ unit: setup compiler
 integration: setup
 	$(PY) -m pytest -q tests/integration
 
+# The lab's own tests (benchmark helpers, lab/tests): CI runs them after `make test`.
+lab-test: setup
+	$(PY) -m pytest -q lab/tests
+
 # perf_analyzer comes from the tritonclient 2.48 wheel (the last one that ships the binary), kept in
 # its own folder so the newer tritonclient stays our Python client. It needs libcudart 12 (a wheel) and
 # libb64.so.0d: where the system lacks it, the Debian package is fetched into that folder with
@@ -69,14 +73,14 @@ $(PERF_STAMP): $(STAMP)
 # make perf                 start a server here and measure it
 # make perf URL=host:8001   measure a running server (gRPC address)
 perf: $(PERF_STAMP)
-	$(PY) -m bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched \
+	$(PY) -m lab.bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched \
 		$(if $(URL),--url $(URL),)
 
-# Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (bench/soak.py).
+# Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (lab/bench/soak.py).
 SOAK_REQUESTS ?= 2000
 soak: setup
-	$(PY) -m bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS)
+	$(PY) -m lab.bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS)
 
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache lab/out
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -16,7 +16,7 @@ on the root. Times are steady_clock nanoseconds, CLOCK_MONOTONIC on Linux, the c
 `time.monotonic_ns()`: a client on the same host places its own send and receive on the same axis.
 
 `spans` cuts one request into consecutive stretches along the models that run one after another,
-so that they add up to the client's wall time exactly (bench/stage_bench.py prints their medians).
+so that they add up to the client's wall time exactly.
 """
 
 from __future__ import annotations
@@ -139,8 +139,7 @@ def _label(a: str, b: str) -> str:
 
 
 def stub_label(model: str) -> str:
-    """The name spans() gives `model`'s stretch in its stub (a report that sets other rows beside it
-    finds it by this, not by the wording)."""
+    """The name spans() gives `model`'s stretch in its stub."""
     return f"{model}: in its stub, until its answer is back"
 
 
@@ -149,59 +148,6 @@ def off_path(req: RequestTrace, path: list[str]) -> dict[str, float]:
     (negative: after it, so it held the response up)."""
     end = req.steps[path[-1]].at("COMPUTE_OUTPUT_START")
     return {m: (end - t.at("COMPUTE_OUTPUT_START")) / 1e6 for m, t in req.steps.items() if m not in path}
-
-
-@dataclass
-class Batch:
-    """One execution of a model over one or more requests: Triton gives every request of a dynamic
-    batch the execution's COMPUTE_* times, so requests that share a COMPUTE_START ran together."""
-    size: int
-    start: int  # COMPUTE_START
-    inputs: int  # COMPUTE_INPUT_END
-    answer: int  # COMPUTE_OUTPUT_START
-    end: int  # COMPUTE_END
-
-
-def batches(reqs: list[RequestTrace], model: str) -> list[Batch]:
-    """The executions of `model` over the traced requests, in the order they started (with several
-    instances of the model, executions of different instances interleave)."""
-    by_start: dict[int, list[ModelTrace]] = {}
-    for req in reqs:
-        if model in req.steps:
-            t = req.steps[model]
-            by_start.setdefault(t.at("COMPUTE_START"), []).append(t)
-    out = []
-    for start, ts in sorted(by_start.items()):
-        t = ts[0]
-        out.append(Batch(len(ts), start, t.at("COMPUTE_INPUT_END"), t.at("COMPUTE_OUTPUT_START"), t.at("COMPUTE_END")))
-    return out
-
-
-def batch_stretches(found: list[Batch]) -> list[dict[str, float]]:
-    """Per execution (ms): inputs to the stub, in the stub until its answer, the answer until the
-    execution ends (the responses: on a GPU their output copies wait for the kernels), and the gap
-    from its end to the next execution's start (None for the last)."""
-    rows = []
-    for k, b in enumerate(found):
-        nxt = found[k + 1].start if k + 1 < len(found) else None
-        rows.append({"size": b.size, "inputs": (b.inputs - b.start) / 1e6, "stub": (b.answer - b.inputs) / 1e6,
-                     "responses": (b.end - b.answer) / 1e6, "gap": None if nxt is None else (nxt - b.end) / 1e6})
-    return rows
-
-
-def steady_rate(found: list[Batch]) -> float | None:
-    """Requests per second that the executions between the first and the last served: their requests
-    over the time from the second execution's start to the last one's (each counted execution with the
-    gap after it). The first waits for the first request's preprocessing, the last for the stragglers;
-    a rate over the whole run counts that start and end too, which a short run cannot amortize. An
-    approximation of the steady rate, slightly low: the wind-down at the end of a run can reach back
-    more than one execution. With several instances of the model, only one instance's start and end
-    are left out. None with fewer than three executions."""
-    if len(found) < 3:
-        return None
-    ordered = sorted(found, key=lambda b: b.start)
-    span = (ordered[-1].start - ordered[1].start) / 1e9
-    return sum(b.size for b in ordered[1:-1]) / span if span > 0 else None
 
 
 def clear(trace_file: Path) -> None:

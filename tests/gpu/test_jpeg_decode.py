@@ -11,6 +11,7 @@ from PIL import Image
 from backends.config import MediaConfig
 from backends.preprocess import Preprocessor
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
+from clients.samples import encode, photo_like
 from oracles.jpeg_corpus import corpus, pillow_only
 
 DEV = torch.device("cuda")
@@ -73,8 +74,6 @@ def test_a_truncated_jpeg_is_refused_as_pillow_refuses_it():
 
 
 def _jpeg(w, h, seed, gray=False, **save):
-    from clients.samples import encode, photo_like
-
     img = Image.fromarray(photo_like(w, h, seed=seed))
     return encode(img.convert("L") if gray else img, "JPEG", **save)
 
@@ -93,7 +92,6 @@ def test_runs_of_same_sized_jpegs_equal_the_cpu_reference(monkeypatch):
     files = ([_jpeg(448, 448, s, quality=90) for s in range(5)] + [_jpeg(448, 448, 9, quality=90, subsampling=0)]
              + [_jpeg(448, 448, s, quality=80) for s in range(10, 13)] + [_jpeg(300, 200, 1)]
              + [_jpeg(448, 448, s, gray=True) for s in range(2)] + [_jpeg(57, 31, s) for s in range(3)])
-    from clients.samples import encode, photo_like
 
     files.insert(3, encode(photo_like(448, 448, seed=99), "PNG"))
     ref, ref_grid, _ = Preprocessor(MediaConfig())(files)
@@ -125,7 +123,6 @@ def test_a_damaged_scan_gets_the_cpu_paths_answer(seed):
     own, or raises; the hardware decoder recovers differently. The GPU path must give the CPU path's
     answer, the same pixels or the same per-request error: the scan check sends what would differ to
     Pillow, and lets through only damage that leaves a well-formed scan."""
-    from clients.samples import encode, photo_like
     from oracles.jpeg_corpus import damaged, scan_start
 
     size = 1600 if seed == 3 else 448  # 1600x1200: a scan the check splits among its threads
@@ -162,12 +159,31 @@ def test_a_hardware_decode_never_writes_memory_earlier_work_still_reads():
     trial frees a buffer that a sum queued behind a long GPU sleep still reads, then decodes; the decode
     must get that very block (else the trial proves nothing) and the sum must stay right."""
     from backends.preprocess.nvjpeg import HardwareJpegDecoder
-    from tools.nvjpeg_order_probe import jpeg, order_trial
 
     dec = HardwareJpegDecoder(DEV)
-    blob = jpeg(448, 0)
+    blob = encode(photo_like(448, 448, seed=0), "JPEG", quality=90)
     info = dec.info(blob)
     stream = torch.cuda.Stream(DEV)
-    trials = [order_trial(dec, blob, info, stream, sleep_cycles=20_000_000) for _ in range(5)]
+    trials = [_order_trial(dec, blob, info, stream, sleep_cycles=20_000_000) for _ in range(5)]
     assert any(reused for reused, _ in trials), "the decode never got the freed block: the test proves nothing"
     assert all(right for reused, right in trials if reused), trials
+
+
+def _order_trial(dec, blob: bytes, info, stream, sleep_cycles: int) -> tuple[bool, bool]:
+    """(the decode got the freed block, the sum over it came out right). A long GPU sleep, then a sum
+    over a buffer of 7s; the buffer goes back to the allocator (reusable on this stream at once) and
+    the decode follows. A kernel handed that block would run after the sum; a decode that wrote it
+    earlier would spoil the sum."""
+    from backends.preprocess.nvjpeg import plane_bytes
+
+    need = plane_bytes(info) + (1 << 16)  # decode_planes' buffer: the planes and its slack
+    with torch.cuda.stream(stream):
+        filler = torch.full((need,), 7, dtype=torch.uint8, device=stream.device)
+        block = filler.data_ptr()
+        torch.cuda._sleep(sleep_cycles)
+        total = filler.sum(dtype=torch.int64)
+        del filler
+        planes = dec.decode_planes([blob], [info])
+        reused = planes.buffer.data_ptr() == block
+    torch.cuda.synchronize()
+    return reused, int(total) == 7 * need

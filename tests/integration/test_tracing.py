@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from bench.stage_bench import PATH, batch_table, traced_concurrent, traced_pass, trace_table
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from clients.tracing import Tracer, TraceError, numbered, spans
@@ -73,56 +72,6 @@ def test_traced_requests_over_both_protocols_cut_into_stretches_that_add_up(serv
         tracer.stop()
     time.sleep(0.5)
     assert len(_files(server) - before) == 1
-
-
-def test_the_stage_benchmarks_traced_pass_on_a_real_server(server, clients):
-    grpc, _ = clients
-    ids = chat_prompt_ids(len(BLOBS))
-    tracer = Tracer(grpc.client, server.trace_file)
-    result = traced_pass(lambda: grpc.infer(ids, BLOBS), tracer, server.metrics_url, 3)
-    stretches = result["stretches"]
-    assert any(label.startswith(PREPROCESS) for label in stretches) and any(label.startswith(ENCODER) for label in stretches)
-    assert all(result["our_code_ms"][m] > 0 for m in PATH)  # our execute ran in each stub
-    # Our code runs inside the stretch in its stub, request by request, so on average too.
-    for m in PATH:
-        assert result["our_code_ms"][m] <= result["stretch_means"][f"{m}: in its stub, until its answer is back"], (m, result)
-    # Our code taken apart by phase (KIMI_PHASES=1 on the shared server): the phases lie inside it.
-    pre = {k.partition("|")[2]: ms for k, ms in result["phases_ms"].items() if k.startswith(PREPROCESS + "|")}
-    assert {"read inputs", "prompt check", "headers", "Pillow decode", "patchify", "output tensors"} <= set(pre), pre
-    assert result["phases_ms"].get(f"{ENCODER}|forward launched", 0) > 0
-    for m in PATH:  # the phases span the step time, but for the microseconds around them
-        total = sum(ms for k, ms in result["phases_ms"].items() if k.startswith(m + "|"))
-        assert total == pytest.approx(result["our_code_ms"][m], rel=0.02, abs=0.05), (m, result)
-    table = "\n".join(trace_table({"case": {"trace": result}}, 3))
-    assert f"| {PREPROCESS}'s our code, mean / this stretch's mean |" in table and "| sum of the medians |" in table
-    assert "| - of which headers (mean) |" in table
-
-
-def test_concurrent_requests_traced_show_the_encoders_batches(server, clients):
-    """The stage benchmark's concurrent pass: 8 requests from 4 threads, all traced. The shared server's
-    batching window puts concurrent requests into one encoder execution; one instance, so its
-    executions follow each other."""
-    grpc, _ = clients
-    ids = chat_prompt_ids(len(BLOBS))
-    made = []
-
-    def make_send(held):
-        own = KimiVisionClient(server.grpc_url)
-        held.callback(own.close)
-        made.append(own)
-        return lambda: own.infer(ids, BLOBS)
-
-    result = traced_concurrent(make_send, Tracer(grpc.client, server.trace_file), 8, 4)
-    assert len(made) == 4  # one sender per thread, closed with the pass
-    assert result["requests"] == 8 and sum(result["batch_sizes"]) == 8
-    assert max(result["batch_sizes"]) > 1, result  # a batch was formed
-    assert result["batches"] == len(result["batch_sizes"]) < 8
-    assert result["median"]["gap"] >= 0 and 0 < result["encoder_busy"] <= 1
-    steady = result["steady_requests_per_s"]
-    assert steady is None or steady > 0, result
-    table = "\n".join(batch_table({"case": {"batches": result, "images": 2, "encoder_ms": 10.0}}))
-    steady_cell = "-" if steady is None else f"{steady * 2:.1f}"
-    assert f"| case | 8 | {result['requests_per_s'] * 2:.1f} | {steady_cell} | 200.0 |" in table, table
 
 
 def test_reading_traces_that_never_come_names_the_shortfall(server, clients):

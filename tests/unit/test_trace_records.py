@@ -4,7 +4,7 @@ stretches along the steps that run one after another, and what is refused."""
 import pytest
 
 from backends.deploy.launcher import Ports, TritonInstall, build_parser, tritonserver_command
-from clients.tracing import Batch, TraceError, Tracer, batch_stretches, batches, off_path, parse, requests, spans, steady_rate
+from clients.tracing import TraceError, Tracer, off_path, parse, requests, spans
 
 
 def _records(root: int, t0: int, protocol: str = "GRPC") -> list[dict]:
@@ -103,51 +103,3 @@ def test_a_restarted_servers_trace_that_writes_over_an_old_file_is_read_as_new(t
     assert req.root.id == 7
     tracer.stop()
     assert client.settings[-1] == {"trace_level": ["OFF"]}
-
-
-def test_requests_that_share_an_execution_are_one_batch():
-    """Two requests in one encoder execution (same COMPUTE_* times), then a third alone."""
-    def request(root, t0, enc):
-        recs = [r for r in _records(root, t0) if r["id"] != root + 2]  # without its own moonvit3d
-        step = ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START",
-                "COMPUTE_END", "REQUEST_END")
-        recs.append({"id": root + 2, "model_name": "moonvit3d", "model_version": 1, "parent_id": root})
-        recs += [{"id": root + 2, "timestamps": [{"name": n, "ns": us * 1000}]} for n, us in zip(step, enc)]
-        return recs
-    first = (100, 101, 110, 130, 2000, 2100, 2110)
-    second = (2200, 2201, 2300, 2310, 4000, 4050, 4060)
-    reqs = requests(parse(request(1, 0, first) + request(10, 50, first) + request(20, 1000, second)))
-    found = batches(reqs, "moonvit3d")
-    assert [(b.size, b.start) for b in found] == [(2, 110_000), (1, 2_300_000)]
-    rows = batch_stretches(found)
-    assert rows[0] == {"size": 2, "inputs": pytest.approx(0.02), "stub": pytest.approx(1.87),
-                       "responses": pytest.approx(0.1), "gap": pytest.approx(0.2)}
-    assert rows[1]["gap"] is None and rows[1]["size"] == 1
-
-
-def test_the_steady_rate_leaves_out_the_first_and_the_last_execution():
-    """Executions of 1, 8, 8, 8 and 3 requests starting 0, 10, 110, 210 and 310 ms: between the second
-    start and the last, 24 requests in 300 ms (80 per second); the first (a lone request before the
-    others arrived) and the last (the stragglers) do not count. Fewer than three executions: no rate."""
-    ms = 1_000_000
-    found = [Batch(size, start * ms, start * ms + 1, start * ms + 2, start * ms + 8 * ms)
-             for size, start in ((1, 0), (8, 10), (8, 110), (8, 210), (3, 310))]  # each ends before the next
-    assert steady_rate(found) == pytest.approx(80.0)
-    assert steady_rate(list(reversed(found))) == pytest.approx(80.0)  # the order they were found in
-    assert steady_rate(found[:2]) is None and steady_rate([]) is None
-    assert steady_rate([found[0], found[1], Batch(8, 10 * ms, 0, 0, 0)]) is None  # no time between starts
-
-
-def test_the_batch_table_shows_the_steady_rate_or_a_dash():
-    """stage_bench's table of the encoder's executions: the steady rate as images/s, "-" where the pass
-    found too few executions (or an older result has none)."""
-    from bench.stage_bench import batch_table
-
-    base = {"requests": 48, "concurrency": 16, "requests_per_s": 40.0, "batches": 7, "batch_sizes": [8] * 6,
-            "median": {"size": 8, "inputs": 0.3, "stub": 16.5, "responses": 156.0, "gap": 0.7}, "encoder_busy": 0.997}
-    with_rate = "\n".join(batch_table({"8x448^2": {"batches": {**base, "steady_requests_per_s": 46.0},
-                                                    "images": 8, "encoder_ms": 21.5}}))
-    assert "| 8x448^2 | 48 | 320.0 | 368.0 | 372.1 | 7 | 8 |" in with_rate, with_rate
-    for batches in ({**base, "steady_requests_per_s": None}, base):
-        table = "\n".join(batch_table({"8x448^2": {"batches": batches, "images": 8, "encoder_ms": 21.5}}))
-        assert "| 8x448^2 | 48 | 320.0 | - | 372.1 | 7 | 8 |" in table, table

@@ -1,0 +1,198 @@
+"""End to end, JPEG bytes to image embeddings, side by side in one run, for 1x1024^2, 1x3000^2 and
+8x448^2 JPEGs (quality 90), median and min of N wall-clock runs after two warm-ups:
+
+(a) ours through tritonserver (GPU deployment of --checkpoint) over gRPC: the embeddings come back
+    in the gRPC response (BF16; tritonclient returns ml_dtypes.bfloat16, KimiVisionClient widens it
+    to a float32 numpy array);
+(b) the same server, IMAGE_EMBEDS written into client CUDA shared memory by
+    `KimiVisionClient.infer(..., shm="cuda")`, which creates and registers a region per call and
+    also copies the embeddings to a host float32 array;
+(c) the same server, IMAGE_EMBEDS written into one CUDA region registered once and reused
+    (`KimiVisionClient.infer_into` with a `CudaOutputRegion`), the embeddings left there (what a
+    co-located LLM process does);
+(d) the reference, in this process: the checkpoint processor's arithmetic on the CPU
+    (`oracles.checkpoint_processor`: Pillow decode + BICUBIC resize, numpy
+    pad/normalize/patchify), then transformers' Kimi_K25 vision tower + projector (SDPA, bf16) on the
+    GPU with the same checkpoint's weights, ending with the embeddings on the GPU (synchronized).
+
+Before timing, each path's output is compared with a first (a) call: (a) again, (b) and (c) must be
+equal, (d) differs by the bf16 arithmetic of two implementations. A path that fails is reported in
+its row and the others still run; (d) is skipped with a note when transformers lacks Kimi_K25.
+
+    python -m lab.bench.e2e_bench --checkpoint /tmp/kimi-random --out lab/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.config import load_checkpoint_config
+from backends.deploy.repository import Deployment
+from backends.deploy.launcher import deployment_server
+from lab.bench.cases import CASES, case_jpegs
+from lab.bench.gpu_timing import machine_line, timed, write_report
+from lab.bench.perf import output_byte_sizes
+from oracles.checkpoint_processor import reference_pixels
+from clients.kimi_client import CudaOutputRegion, KimiVisionClient, chat_prompt_ids
+
+# key: (table label, where the embeddings are when the clock stops, what the end to end contains)
+IMPLEMENTATIONS = {
+    "grpc": ("(a) ours, tritonserver, gRPC", "host float32 array",
+             "gRPC request (ids + JPEG bytes) over loopback; server: 1:1 check and resize plan, Pillow decode, "
+             "GPU resize + normalize/patchify, MoonViT3d + projector (BF16); the BF16 embeddings back in the "
+             "gRPC response, widened to float32 by KimiVisionClient"),
+    "cuda_shm_per_call": ("(b) ours, tritonserver, CUDA shm (KimiVisionClient, region per call)",
+                          "client GPU buffer + host float32 copy",
+                          "as (a), but the server writes IMAGE_EMBEDS into a CUDA buffer of the client: "
+                          "KimiVisionClient.infer(shm='cuda') allocates and registers that buffer on every "
+                          "call, copies the embeddings to a torch tensor and to a host float32 array"),
+    "cuda_shm_registered": ("(c) ours, tritonserver, CUDA shm (region registered once)", "client GPU buffer (BF16)",
+                            "as (a), but the server writes IMAGE_EMBEDS into one CUDA buffer registered once "
+                            "before timing; the embeddings stay there (what a co-located LLM does)"),
+    "reference": ("(d) reference: checkpoint processor (CPU) + transformers SDPA (GPU), in process",
+                  "GPU tensor (BF16)",
+                  "in this process, no server: the checkpoint processor's arithmetic on the CPU (Pillow "
+                  "decode + BICUBIC resize, numpy pad/normalize/patchify), fp32 pixels to the GPU as BF16, "
+                  "transformers' Kimi_K25 vision tower + projector (SDPA, BF16, the checkpoint's weights), "
+                  "torch.cuda.synchronize()"),
+}
+
+
+def case_requests(dep: Deployment) -> dict[str, tuple]:
+    """case -> (prompt ids, JPEG bytes (quality 90, 4:2:0), IMAGE_EMBEDS bytes as `dep` serves them)."""
+    requests = {}
+    for case in CASES:
+        blobs = case_jpegs(case)
+        ids = chat_prompt_ids(len(blobs))
+        requests[case] = (ids, blobs, output_byte_sizes(dep, ids, blobs)["IMAGE_EMBEDS"])
+    return requests
+
+
+class Reference:
+    """The checkpoint processor's semantics on the CPU, then transformers' vision tower + projector
+    (SDPA, bf16) on the GPU, with the weights of the checkpoint the server serves."""
+
+    def __init__(self, checkpoint: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
+        from transformers.models import kimi_k25
+
+        from oracles.transformers_kimi import hf_config_from, load_checkpoint_into_hf
+
+        cfg = load_checkpoint_config(checkpoint)
+        self.media, self.device, self.dtype = cfg.media, torch.device(device), dtype
+        torch.manual_seed(0)
+        model = kimi_k25.Kimi_K25Model(hf_config_from(cfg.encoder, attn="sdpa")).eval()
+        load_checkpoint_into_hf(model, checkpoint)
+        self.model = model.to(self.device, dtype)
+
+    def __call__(self, images: list[bytes]) -> torch.Tensor:
+        """(tokens, text_hidden) in `dtype` on `device`, computed when this returns."""
+        patches, grids = [], []
+        for blob in images:
+            pixels, grid = reference_pixels(blob, self.media)
+            patches.append(pixels)
+            grids.append(grid)
+        pixels = torch.from_numpy(np.concatenate(patches)).to(self.device, self.dtype)
+        with torch.inference_mode():
+            per_image = self.model.get_image_features(pixels, image_grid_thw=torch.tensor(grids, device=self.device))
+        embeds = torch.cat(list(per_image.pooler_output))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return embeds
+
+
+def max_rel_diff(got: torch.Tensor, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref|, in float64 on the host."""
+    ref_t = torch.from_numpy(ref).double()
+    return float((got.double().cpu() - ref_t).abs().max() / ref_t.abs().max())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--out", type=Path, default=Path("lab/out"))
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    dep = Deployment(device="gpu", checkpoint=args.checkpoint)
+    requests = case_requests(dep)
+
+    notes = []
+    try:
+        reference = Reference(args.checkpoint)
+    except Exception as exc:  # noqa: BLE001 - transformers without Kimi_K25, or an API it changed
+        reference = None
+        notes.append(f"(d) not run: could not build transformers' Kimi_K25 reference: {type(exc).__name__}: {exc}")
+        print(notes[-1])
+
+    results, rows = {}, []
+    server = deployment_server(dep, "e2e")
+    with server:
+        client = KimiVisionClient(server.grpc_url)
+        try:
+            registered = CudaOutputRegion(client, max(nbytes for *_, nbytes in requests.values()))
+        except Exception as exc:  # noqa: BLE001
+            registered = None
+            notes.append(f"(c) not run: {type(exc).__name__}: {exc}")
+            print(notes[-1])
+        for case, (ids, blobs, nbytes) in requests.items():
+            first = np.array(client.infer(ids, blobs).image_embeds)  # what every path is compared with (a copy)
+            # Each path returns its embeddings: a host array (a), a GPU tensor (b, c, d).
+            paths = {"grpc": lambda: client.infer(ids, blobs).image_embeds,
+                     "cuda_shm_per_call": lambda: client.infer(ids, blobs, shm="cuda", output_capacity=nbytes).cuda_embeds}
+            if registered:
+                paths["cuda_shm_registered"] = lambda: client.infer_into(registered, ids, blobs).cuda_embeds
+            if reference:
+                paths["reference"] = lambda: reference(blobs)
+            results[case] = {"embeds_shape": list(first.shape), "embeds_bytes": nbytes}
+            for key, path in paths.items():
+                try:
+                    got = path()
+                    got = (torch.from_numpy(np.array(got)) if isinstance(got, np.ndarray) else got).float().cpu()
+                    if key == "reference":  # another implementation: bf16 arithmetic differs
+                        check = f"max rel diff {max_rel_diff(got, first):.1e}"
+                    elif torch.equal(got, torch.from_numpy(first)):
+                        check = "equal"
+                    else:
+                        check = f"DIFFERENT (max rel diff {max_rel_diff(got, first):.1e})"
+                    times = timed(path, args.iters)
+                except Exception as exc:  # noqa: BLE001 - one failing path must not cost the others
+                    traceback.print_exc()
+                    results[case][key] = {"error": f"{type(exc).__name__}: {exc}"}
+                    rows.append((case, key, None, None, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
+                results[case][key] = {"median_ms": statistics.median(times), "min_ms": min(times),
+                                      "times_ms": times, "output_vs_first_a": check}
+                rows.append((case, key, statistics.median(times), min(times), check))
+            torch.cuda.empty_cache()
+        if registered:
+            registered.close()
+        client.close()
+
+    lines = ["# End to end: JPEG bytes to image embeddings, tritonserver (GPU deployment) vs in-process reference\n",
+             f"{machine_line()}\n",
+             f"checkpoint {args.checkpoint}; {args.iters} runs per row after 2 warm-ups, wall clock with "
+             "torch.cuda.synchronize() around each run; client and server on this machine, gRPC over loopback.\n",
+             "| case | implementation | median ms | min ms | speed-up vs (d) | output vs a first (a) call | embeddings end in |",
+             "|---|---|---|---|---|---|---|"]
+    for case, key, median, low, check in rows:
+        label, ends_in, _ = IMPLEMENTATIONS[key]
+        ref = results[case].get("reference", {}).get("median_ms")
+        speedup = f"{ref / median:.2f}x" if (ref and median) else "n/a"
+        timing = f"{median:.1f} | {low:.1f}" if median is not None else "- | -"
+        lines.append(f"| {case} | {label} | {timing} | {speedup} | {check} | {ends_in} |")
+        if median is not None:
+            results[case][key]["speedup_vs_reference"] = (ref / median) if ref else None
+    lines.append("\nWhat each end to end contains (all start from the encoded JPEG bytes in the client):")
+    lines += [f"- {label}: {contains}" for label, _, contains in IMPLEMENTATIONS.values()]
+    lines += [f"\n{note}" for note in notes]
+    write_report(args.out, "e2e_bench", lines, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Pack what the GPU machine (air-gapped x86-64, Python 3.12, torch/numpy 2/pillow/transformers already
+# installed) lacks, so that one call carries it under 64 MiB:
+#   .whl/gpu   a slimmed nvidia-pytriton (the tritonserver binary, the Python backend and the 3.12 stub;
+#              the other Pythons' stubs and the bundled libpython3.13 dropped), numpy<2 for the 2.51
+#              Python backend, tritonclient and python-rapidjson;
+#   .whl/perf  perf_analyzer (from the tritonclient 2.48 wheel, xz), libcudart 12 and libb64;
+#   .whl/fa4a, .whl/fa4b  (with --fa4) flash-attn-4 and its CUTLASS DSL libraries; the 92 MB library
+#              wheel is split in two (cu13part.aa, cu13part.ab), carried by two calls back to back
+#              (lab/gpu.sh stages fa4a, fa4b).
+# Usage: bash lab/pack_gpu_wheels.sh [--fa4]
+set -euo pipefail
+dest=.whl; tmp=$(mktemp -d)
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$1" "${@:2}"; }
+# The versions the server runs with are requirements.txt's: read them there, never repeat them here.
+pin() { local p; p=$(sed -n -E "s/^($1)(\[[^]]*\])?==([^ #]+).*/\1==\3/p" requirements.txt)
+        [[ -n $p ]] || { echo "requirements.txt pins no $1" >&2; exit 1; }; echo "$p"; }
+mkdir -p "$dest/gpu" "$dest/perf" "$tmp/pt" "$tmp/w"
+numpy=$(pin numpy); client=$(pin tritonclient); pytriton=$(pin nvidia-pytriton)  # set -e stops on a missing pin
+get "$dest/gpu" "$numpy" "$client" python-rapidjson
+get "$tmp/w" "$pytriton"
+(cd "$tmp/pt" && unzip -q "$tmp"/w/nvidia_pytriton-*.whl && rm -f nvidia_pytriton.libs/libpython3-*.so* \
+  && find pytriton/tritonserver/python_backend_stubs -mindepth 1 -maxdepth 1 -type d ! -name 3.12 -exec rm -rf {} + \
+  && tar -cf - . | xz -9 -T2 > "$OLDPWD/$dest/gpu/pytriton-slim.tar.xz")
+get "$tmp/p" tritonclient==2.48.0 nvidia-cuda-runtime-cu12==12.6.77
+unzip -q -j -o "$tmp"/p/tritonclient-2.48.0-*.whl 'tritonclient-2.48.0.data/data/bin/perf_analyzer' -d "$tmp"
+xz -9 -c "$tmp/perf_analyzer" > "$dest/perf/perf_analyzer.xz"
+cp "$tmp"/p/nvidia_cuda_runtime_cu12-*.whl "$dest/perf/"
+(cd "$dest/perf" && apt-get download libb64-0d)
+if [[ ${1:-} == --fa4 ]]; then
+  mkdir -p "$dest/fa4a" "$dest/fa4b" "$tmp/fa4"
+  get "$tmp/fa4" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels apache-tvm-ffi torch-c-dlpack-ext
+  big=$(ls "$tmp"/fa4/nvidia_cutlass_dsl_libs_cu13-*.whl)
+  split -b 47000000 "$big" "$tmp/cu13part."
+  mv "$tmp/cu13part.aa" "$dest/fa4a/"; mv "$tmp/cu13part.ab" "$dest/fa4b/"; rm "$big"
+  mv "$tmp"/fa4/*.whl "$dest/fa4b/"
+fi
+rm -rf "$tmp"; du -sh "$dest"/*
