@@ -72,14 +72,15 @@ $(PERF_STAMP): $(STAMP)
 
 # make perf                 start a server here and measure it
 # make perf URL=host:8001   measure a running server (gRPC address)
+# Each rewrites its section of lab/results/<machine>.md (lab/RESULTS.md indexes what the docs quote).
 perf: $(PERF_STAMP)
 	$(PY) -m lab.bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched \
-		$(if $(URL),--url $(URL),)
+		$(if $(URL),--url $(URL),--section perf-sample)
 
 # Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (lab/bench/soak.py).
 SOAK_REQUESTS ?= 2000
 soak: setup
-	$(PY) -m lab.bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS)
+	$(PY) -m lab.bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS) --section soak
 
 clean:
 	rm -rf build .pytest_cache lab/out

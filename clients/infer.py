@@ -44,8 +44,8 @@ def main(argv=None) -> int:
                     help="the IMAGE_EMBEDS region with --shm system/cuda, MiB (default: sized to the request, "
                          "from its token counts, which kimi_placeholder answers from the images' headers)")
     ap.add_argument("--model", default=None,
-                    help="the model to ask (default: the kimi_k25_vision ensemble; e.g. kimi_k25_vision_fused on a "
-                         "server started with --fused)")
+                    help="the model to ask (default: the kimi_k25_vision ensemble; kimi_k25_vision_batched "
+                         "takes the same request)")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     images = [p.read_bytes() for p in args.image]

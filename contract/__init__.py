@@ -19,9 +19,6 @@ ENSEMBLE = "kimi_k25_vision"
 # The same pipeline with a batch dimension of 1 in front of every tensor: the server batches such
 # requests across clients so that their images share one encoder forward.
 BATCHED_ENSEMBLE = "kimi_k25_vision_batched"
-# The same contract as ENSEMBLE served by one model whose instance runs the three steps back to back in
-# one process (rendered when a deployment asks for it: backends/deploy/repository.Deployment.fused).
-FUSED = "kimi_k25_vision_fused"
 PLACEHOLDER = "kimi_placeholder"
 PREPROCESS = "kimi_preprocess"
 ENCODER = "moonvit3d"

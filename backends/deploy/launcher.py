@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.config import env_flag, env_int
-from backends.deploy import cpu_latency, mps
+from backends.deploy import mps
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
@@ -448,11 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "in the foreground until SIGINT/SIGTERM.")
     try:
         mps_default = env_flag("KIMI_MPS", False)
-        fused_default = env_flag("KIMI_FUSED", False)
-        pipeline_default = env_flag("KIMI_FUSED_PIPELINE", False)
         encoder_instances = env_int("KIMI_ENCODER_INSTANCES", 1)
         preprocess_instances = env_int("KIMI_PREPROCESS_INSTANCES", 0)
-        lanes_default = env_int("KIMI_FUSED_LANES", 2)
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
@@ -470,25 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
                          "tracing is turned on through its trace API (README: Trace a request); off until then")
     ap.add_argument("--encoder-instances", type=int, default=encoder_instances,
-                    help="moonvit3d instances per GPU (in all on CPU); kimi_k25_vision_fused's too, with --fused")
+                    help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=preprocess_instances,
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
-    ap.add_argument("--cpu-latency-us", type=cpu_latency.limit, default=os.environ.get("KIMI_CPU_LATENCY_US") or None,
-                    help="hold the host's CPU wake-up latency limit (/dev/cpu_dma_latency) at this many "
-                         "microseconds while serving; 0 asks the idle governor to keep cores out of deep idle "
-                         "states (more idle power; README: Scale out). Off by default; needs write access to "
-                         "the device")
-    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=fused_default,
-                    help="also serve kimi_k25_vision_fused: the ensemble's contract from one model whose "
-                         "instances run the three steps in one process, for the lowest latency one request at a "
-                         "time (README: One model or the ensemble); it loads its own copy of the weights")
-    ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction, default=pipeline_default,
-                    help="with --fused: preprocess a request while the encoder runs the previous one, in the fused "
-                         "model's one process, for throughput (default off, KIMI_FUSED_PIPELINE; README: One model or "
-                         "the ensemble)")
-    ap.add_argument("--fused-lanes", type=int, default=lanes_default,
-                    help="with --fused and its pipeline, on a GPU: encoder forwards that may run side by side "
-                         "(default 2, KIMI_FUSED_LANES; each lane keeps its own CUDA graphs)")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
                     default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
@@ -496,20 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
-
-
-def hold_cpu_latency(limit_us: int | None, path: str = cpu_latency.DEVICE) -> int | None:
-    """The open descriptor that holds the limit for the launcher's lifetime, or None: not asked for, or
-    not allowed here (then a warning says so and the server runs without it)."""
-    if limit_us is None:
-        return None
-    try:
-        fd = cpu_latency.hold(limit_us, path)
-    except OSError as exc:
-        print(f"warning: --cpu-latency-us {limit_us}: cannot hold {path} ({exc}); serving without it", flush=True)
-        return None
-    print(f"holding the CPU wake-up latency limit at {limit_us} us ({path}) while serving", flush=True)
-    return fd
 
 
 def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
@@ -541,8 +508,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
-                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
-                     fused=args.fused, fused_pipeline=args.fused_pipeline, fused_lanes=args.fused_lanes)
+                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
     daemon = None
     try:
         daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))
@@ -578,12 +544,7 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
     print(shm_note(dep), flush=True)
     if device == "gpu":
         print(scan_check_note(), flush=True)
-    latency_hold = hold_cpu_latency(args.cpu_latency_us)  # released when this process exits
-    try:
-        return _serve(server)
-    finally:
-        if latency_hold is not None:
-            os.close(latency_hold)
+    return _serve(server)
 
 
 def _serve(server) -> int:

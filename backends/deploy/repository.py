@@ -18,7 +18,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, FUSED, GRID_THWS, IMAGE_EMBEDS,
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
                       IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PLACEHOLDER_BATCHED,
                       PREPROCESS, PREPROCESS_BATCHED)
 
@@ -30,9 +30,6 @@ SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
 # kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension. moonvit3d serves
 # both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
 MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE, PLACEHOLDER_BATCHED, PREPROCESS_BATCHED, BATCHED_ENSEMBLE)
-# Rendered only when the deployment asks for them (Deployment.fused); the committed rendering has them,
-# so that the source repository holds every model's config beside its model.py.
-OPTIONAL_MODELS = (FUSED,)
 # A twin runs its base model's code: `write_source_configs` copies the base's version folder.
 SOURCE_OF = {PLACEHOLDER_BATCHED: PLACEHOLDER, PREPROCESS_BATCHED: PREPROCESS, BATCHED_ENSEMBLE: ENSEMBLE}
 
@@ -50,26 +47,14 @@ class Deployment:
     # How long moonvit3d's batcher waits for more requests. 0: no window; requests that queue while the
     # encoder is busy are still batched, and nobody pays for waiting when there is nothing to batch.
     batch_delay_us: int = 0
-    max_queue: int = 16  # requests waiting for moonvit3d (and the fused model with its pipeline); beyond, refused
+    max_queue: int = 16  # requests waiting for moonvit3d; beyond, refused
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
-    # Also serve kimi_k25_vision_fused: the ensemble's contract from one model whose instances
-    # (encoder_instances of them) run all three steps in one process, with their own copy of the weights.
-    fused: bool = False
-    # The fused model's two-stage pipeline (backends/serving/pipeline.py): a request's preprocessing runs
-    # beside the previous request's encoder forward, in one process; off (the default), one request at a
-    # time, answered from execute (README: One model or the ensemble says why it is opt-in).
-    fused_pipeline: bool = False
-    # GPU, with the pipeline: encoder forwards of the fused model that may run side by side on their own
-    # CUDA streams (one copy of the weights, each lane its own CUDA graphs); 1 = one at a time.
-    fused_lanes: int = 2
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if self.preprocess_instances == 0:
             object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
-        if not 1 <= self.fused_lanes <= 8:  # each lane takes three of torch's 32 pooled streams per GPU
-            raise ValueError(f"fused_lanes must be 1 to 8, got {self.fused_lanes}")
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -128,17 +113,12 @@ class Deployment:
         2.51 (docs/triton_runtime.md#known-server-limitations). Bound: each preprocessing instance's
         largest PIXEL_VALUES, and moonvit3d taking a full batch of such requests plus their
         embeddings. The limits enforce it; a GPU deployment passes the tensors between steps on the
-        GPU, so its regions hold a few MiB. The fused model (Deployment.fused) passes nothing between
-        steps, but its answers go through the regions when the client's buffer is host memory (a
-        plain gRPC or HTTP response; the ensemble's own scheduler takes them on the GPU): one largest
-        IMAGE_EMBEDS per instance, on a GPU in BF16 on each GPU's instances. Encoded image bytes come on
-        top (they are the request's own)."""
+        GPU, so its regions hold a few MiB (0 here). Encoded image bytes come on top (they are the
+        request's own)."""
         if self.device == "gpu":
-            _, embeds = self._largest_tensors_bytes(2)  # BF16
-            return self.gpus * self.encoder_instances * embeds if self.fused else 0
+            return 0
         pixels, embeds = self._largest_tensors_bytes(4)  # FP32
-        fused = self.encoder_instances * embeds if self.fused else 0
-        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds) + fused
+        return self.preprocess_instances * pixels + self.encoder_instances * self.max_batch * (pixels + embeds)
 
 
 def _tensor(name, dtype, dims, optional=False):
@@ -159,20 +139,15 @@ def _ragged(tensors):
 MEDIA_FRAMES_SPEC = _tensor(MEDIA_FRAMES, "TYPE_INT64", [-1], optional=True)
 
 
-def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int,
-                  host_inputs: bool = False) -> dict:
-    """One Python-backend model; `count` instances (per GPU for KIND_GPU). `host_inputs`: a GPU model whose
-    inputs are all read on the host (the fused model's prompt and images)."""
+def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
+    """One Python-backend model; `count` instances (per GPU for KIND_GPU)."""
     params = {
         "checkpoint": dep.checkpoint,
         **{f.name: str(getattr(dep.limits, f.name)) for f in fields(Limits)},
         # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
         "vision_config": dep.vision.to_json(),
-        # GPU instances take their inputs where the previous step left them (no host round-trip). One
-        # whose inputs are read on the host has the server hand them over in host memory: a client's CUDA
-        # shared memory is then copied out by the server, not by the stub with a blocking copy of its own
-        # from a CUDA stream its preprocessing shares.
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" and not host_inputs else "yes",
+        # GPU instances take their inputs where the previous step left them (no host round-trip).
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
     }
     return {
         "name": name,
@@ -215,7 +190,7 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
     for name, batch in ((PREPROCESS, 0), (PREPROCESS_BATCHED, dep.max_batch)):
         dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.kind, count=dep.preprocess_instances,
                                     max_batch=batch)
-    # The service's contract: the ensembles' inputs and outputs, and the fused model's.
+    # The service's contract: the ensembles' inputs and outputs.
     contract_io = (
         [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
         [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
@@ -227,28 +202,13 @@ def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
         [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
         kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
     )
-    # Each encoder holder: its graphs on a GPU, and a dynamic batcher for its batching window and its
-    # bounded queue. The fused model takes no batch dimension, so each of its executions holds one request:
-    # tritonserver 2.51 accepts a dynamic batcher on such a model, for its queue policy alone. Only with
-    # its pipeline: answered from execute, a request that came as the previous one finished often waited
-    # in that batcher about 500 ms (its idle wait) on the CPU, and not with the pipeline, whose execute
-    # returns early (docs/triton_runtime.md#one-model-or-the-ensemble).
-    encoders = {ENCODER: dep.batch_delay_us}
-    if dep.fused:
-        dicts[FUSED] = _python_model(dep, FUSED, *contract_io, kind=dep.kind, count=dep.encoder_instances, max_batch=0,
-                                     host_inputs=True)
-        dicts[FUSED]["parameters"]["pipeline"] = {"string_value": "yes" if dep.fused_pipeline else "no"}
-        dicts[FUSED]["parameters"]["encoder_lanes"] = {"string_value": str(dep.fused_lanes)}
-        encoders[FUSED] = 0 if dep.fused_pipeline else None
-    for name, delay_us in encoders.items():
-        if dep.device == "gpu":
-            dicts[name]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
-        if delay_us is None:
-            continue
-        # The queue is bounded so that the CUDA pool (sized from it) can never run short under load: an
-        # overloaded server refuses requests ("Exceeds maximum queue size") instead of computing on zeros.
-        dicts[name]["dynamic_batching"] = {"max_queue_delay_microseconds": delay_us,
-                                           "default_queue_policy": {"max_queue_size": dep.max_queue}}
+    # The encoder: its graphs on a GPU, and a dynamic batcher for its batching window and its bounded
+    # queue. The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
+    # an overloaded server refuses requests ("Exceeds maximum queue size") instead of computing on zeros.
+    if dep.device == "gpu":
+        dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+    dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,
+                                          "default_queue_policy": {"max_queue_size": dep.max_queue}}
 
     def steps(placeholder: str, preprocess: str) -> list[dict]:
         # Preprocessing first: it checks the prompt's 1:1 rule before reading any image, so a bad request
@@ -309,8 +269,8 @@ def render_repository(dep: Deployment, out: Path, *, clean: bool = True) -> Path
     return out
 
 
-# The committed rendering: the CPU deployment of the embedded default, with the optional models.
-SOURCE_DEPLOYMENT = Deployment(fused=True)
+# The committed rendering: the CPU deployment of the embedded default.
+SOURCE_DEPLOYMENT = Deployment()
 
 
 def write_source_configs() -> None:
@@ -330,13 +290,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--checkpoint", default="")
     ap.add_argument("--out", type=Path, help="render a full repository here")
-    ap.add_argument("--fused", action="store_true", help=f"with --out: also render {FUSED}")
     ap.add_argument("--write-source", action="store_true", help="refresh model_repository/*/config.pbtxt")
     args = ap.parse_args(argv)
     if args.write_source:
         write_source_configs()
     if args.out:
-        print(render_repository(Deployment(device=args.device, checkpoint=args.checkpoint, fused=args.fused), args.out))
+        print(render_repository(Deployment(device=args.device, checkpoint=args.checkpoint), args.out))
     return 0
 
 

@@ -2,7 +2,7 @@
 
 A forward is ~560 kernel launches (27 layers of norms, GEMMs, RoPE, attention, GELU, residuals); for
 one 1024^2 image the host needed about as long to launch them as the GPU needed to run them
-(bench/results/h200-2026-11-30.md, "Encoder profile"). Replaying a captured graph removes
+(docs/encoder.md#cuda-graphs). Replaying a captured graph removes
 the host cost. Shapes are fixed inside a graph, so graphs are keyed by the exact grid list: a list
 seen for the second time is captured (one-off sizes never pay for a capture), up to `max_graphs`
 graphs, least recently used first out, and only for batches up to `max_patches` patches (larger ones
@@ -17,7 +17,6 @@ table it reads (TensorCache, hold_tables_for_graph), so an eviction cannot free 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -44,13 +43,8 @@ class _Captured:
 class GraphedEncoder:
     """Callable like the model: (pixel_values, grid_thws) -> embeddings; eager where graphs do not apply."""
 
-    def __init__(self, model, *, max_graphs: int = 16, max_patches: int = 16384, capture_lock=None):
+    def __init__(self, model, *, max_graphs: int = 16, max_patches: int = 16384):
         self.model = model
-        # Where other threads of the process run GPU work of their own (the fused model's pipeline,
-        # backends/serving/pipeline.py), they hold `capture_lock` while they do; a capture takes it, and
-        # is then captured in thread_local mode, so that what those threads do outside the lock (reading
-        # inputs, the server's own copies) cannot invalidate it.
-        self.capture_lock = capture_lock
         self.max_graphs = max_graphs
         self.max_patches = max_patches
         self.graphs: OrderedDict[tuple, _Captured] = OrderedDict()
@@ -66,10 +60,6 @@ class GraphedEncoder:
 
     def applies(self, num_patches: int) -> bool:
         return self.model.device.type == "cuda" and 0 < num_patches <= self.max_patches
-
-    def will_replay(self, num_patches: int, grid_thws) -> bool:
-        """Whether a forward of these grids replays a graph already captured (no eager work, no capture)."""
-        return self.applies(num_patches) and tuple(as_grid_list(grid_thws)) in self.graphs
 
     @torch.inference_mode()  # as the model's forward: the static input is captured as an inference tensor
     def __call__(self, pixel_values: torch.Tensor, grid_thws) -> torch.Tensor:
@@ -88,8 +78,7 @@ class GraphedEncoder:
             if not self.seen[key]:  # its capture failed: eager, without retrying on every request
                 return self.model(pixel_values, grids)
             try:
-                with self.capture_lock or contextlib.nullcontext():
-                    captured = self._capture(pixel_values, grids)
+                captured = self._capture(pixel_values, grids)
             except Exception:  # noqa: BLE001 - e.g. out of memory in the graph pool; eager still works
                 log.exception("CUDA graph capture failed for grids %s; running them eagerly", grids)
                 self.seen[key] = False
@@ -103,7 +92,7 @@ class GraphedEncoder:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the captured graphs keep alive: static input and output, metadata, tables.
-        Bounded by max_graphs; the soak tells this from a leak (bench/soak.py)."""
+        Bounded by max_graphs; the soak tells this from a leak (lab/bench/soak.py)."""
         held = []
         for c in self.graphs.values():
             held += [c.pixels, c.out, c.meta.cu_seqlens, c.meta.rope, *c.tables]
@@ -119,14 +108,12 @@ class GraphedEncoder:
         # Warm up on a side stream (as torch.cuda.graphs recommends): caches filled, kernels compiled.
         # One stream for every capture: torch keeps a cuBLAS workspace (~32 MiB on an H200) for each
         # stream a matmul ever ran on, and a new torch.cuda.Stream() per capture cycles through torch's
-        # pool of 32 streams, so allocated memory grew by a workspace per capture up to ~1 GiB
-        # (bench/results/h200-2026-12-01-fifth.md, "A leak that was a cache").
+        # pool of 32 streams, so allocated memory grew by a workspace per capture up to ~1 GiB.
         if self._side is None:
             self._side = torch.cuda.Stream(device=model.device)
             # Its own capture stream too (torch.cuda.graph's default is one stream for the whole process):
             # torch hands cuBLAS a workspace per (handle, stream), and a graph keeps the one of the stream
-            # it was captured on. Two encoders whose graphs replay at the same time (the fused model's
-            # lanes) must not share one workspace.
+            # it was captured on, so two encoders in one process never share one.
             self._capture_stream = torch.cuda.Stream(device=model.device)
         side = self._side
         side.wait_stream(torch.cuda.current_stream(model.device))
@@ -139,9 +126,7 @@ class GraphedEncoder:
             # (use_count > 0; seen on the H200 with max_graphs=1, each capture evicting the last graph).
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        mode = "global" if self.capture_lock is None else "thread_local"
-        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream,
-                                                                  capture_error_mode=mode):
+        with hold_tables_for_graph() as tables, torch.cuda.graph(graph, pool=self.pool, stream=self._capture_stream):
             out = model(static, meta)
         captured = _Captured(graph, static, out, meta, tables)
         self.graphs[tuple(grids)] = captured

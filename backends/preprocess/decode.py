@@ -4,7 +4,7 @@ No EXIF transpose, alpha dropped without compositing, palette/L/CMYK/16-bit conv
 `convert("RGB")` (docs/kimi_k25.md#decode-and-mode-conversion). An image is opened once (`open_image`
 reads the header: size and format, no pixels) and decoded later from the same handle (`decode_rgb`).
 A plain baseline JPEG's header is read by jpeg_header.py instead of Pillow (the same fields, about a quarter of
-the time; KIMI_JPEG_HEADER=0 turns that off): its handle, a `HeaderOnly`, opens the file with Pillow
+the time): its handle, a `HeaderOnly`, opens the file with Pillow
 only if Pillow is to decode it. Every failure is a RequestError naming the image's index, and a size limit names the image's own
 value next to the limit.
 """
@@ -17,7 +17,6 @@ import warnings
 
 from PIL import Image
 
-from backends.config import env_flag
 from backends.errors import RequestError
 from backends.preprocess import jpeg_header
 
@@ -31,10 +30,6 @@ def _pixel_error(index: int, size: tuple[int, int], max_pixels: int) -> RequestE
     w, h = size
     return RequestError(f"image {index}: {w}x{h} = {w * h} pixels exceeds the limit max_image_pixels={max_pixels}",
                         "pixel_limit")
-
-
-# Read once per process (a stub takes its environment from the server); tests set it per call.
-FAST_HEADERS = env_flag("KIMI_JPEG_HEADER", True)
 
 
 class HeaderOnly:
@@ -58,16 +53,16 @@ class HeaderOnly:
                 Image.MAX_IMAGE_PIXELS = previous
 
 
-def open_image(data: bytes, index: int, max_pixels: int, fast: bool | None = None) -> Image.Image | HeaderOnly:
+def open_image(data: bytes, index: int, max_pixels: int, fast: bool = True) -> Image.Image | HeaderOnly:
     """The image's handle after reading its header: a bomb is refused from its header, before any pixel
-    is decoded. `fast` (default FAST_HEADERS): a plain JPEG's header is read by jpeg_header, its size
+    is decoded. `fast` (tests compare both ways): a plain JPEG's header is read by jpeg_header, its size
     checked here against the limit, and a HeaderOnly returned; any other image is opened by Pillow with
     its own bomb guard set to our limit."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
         raise RequestError(f"image {index}: empty or missing image bytes", "undecodable_image")
     # bytes as they come (a memoryview, which may have any shape, as a flat copy)
     flat = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-    header = jpeg_header.read(flat) if (FAST_HEADERS if fast is None else fast) else None
+    header = jpeg_header.read(flat) if fast else None
     if header is not None:
         if header.width * header.height > max_pixels:
             raise _pixel_error(index, header.size, max_pixels)

@@ -17,8 +17,7 @@ def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Pat
     the host has), else the host's count, and no more than its cgroup's CPU quota allows, rounded up (a
     Kubernetes CPU limit sets a quota, not an affinity: busy threads beyond it use the period's quota up
     sooner, and then every thread of the container waits for the next period). Per process: the quota
-    covers the whole container, where several stubs each size their threads by it (with several model
-    instances per container, KIMI_SCAN_CHECK_THREADS can lower the scan check's share)."""
+    covers the whole container, where several stubs each size their threads by it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
     if quota is not None:

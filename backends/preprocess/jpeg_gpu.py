@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backends import phases
 from backends.config import env_flag
 from backends.kernels import jpeg_color
 from backends.preprocess import scan_check
@@ -227,7 +226,6 @@ class GpuJpegDecoder:
                 infos.append(None)
             else:
                 infos.append(info)
-        phases.mark("nvJPEG headers")
         todo = [k for k, info in enumerate(infos) if info is not None]
         out: list[torch.Tensor | None] = [None] * len(blobs)
         if todo:
@@ -236,7 +234,6 @@ class GpuJpegDecoder:
                 rgb = _convert(planes.stacked(run), infos[todo[run[0]]])
                 for i, r in enumerate(run):
                     out[todo[r]] = rgb[i]
-            phases.mark("colour launched")
         self.stats.update(counts)
         return out, {k: verdicts[k] for k in todo}
 

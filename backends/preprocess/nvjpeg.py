@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from backends import phases
 
 NVJPEG_BACKEND_HARDWARE = 3
 NVJPEG_OUTPUT_YUV = 1
@@ -175,7 +174,6 @@ class HardwareJpegDecoder:
         if self._last is not None:  # it may have run on another stream (the start-up self-check's)
             self._last[0].synchronize()
             self._last = None  # the previous decode has run: its bitstreams may go
-        phases.mark("stream drained")
         starts, total = [], 0
         for info in infos:
             starts.append(total)
@@ -191,7 +189,6 @@ class HardwareJpegDecoder:
                  "nvjpegDecodeBatchedInitialize")
         pointers = (ctypes.c_char_p * len(datas))(*datas)
         lengths = (_SIZE * len(datas))(*[len(d) for d in datas])
-        phases.mark("nvJPEG buffers")
         try:
             self._ok(self.lib.nvjpegDecodeBatched(self.handle, self.state, pointers, lengths, images,
                                                   _P(stream.cuda_stream)), "nvjpegDecodeBatched")
@@ -200,7 +197,6 @@ class HardwareJpegDecoder:
             # before both go (the caller falls back to Pillow, whose tensors may get the same block).
             stream.synchronize()
             raise
-        phases.mark("nvjpegDecodeBatched")
         event = torch.cuda.Event()
         event.record(stream)
         self._last = (event, list(datas))

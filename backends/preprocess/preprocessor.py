@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from backends import phases
 from backends.config import Limits, MediaConfig
 from backends.errors import RequestCancelled
 from backends.kernels import patchify
@@ -148,7 +147,6 @@ class Preprocessor:
                     on_gpu.add(i)
                 else:
                     self.jpeg.stats[("pillow", why)] += 1
-        phases.mark("route")
         decoded: dict[int, torch.Tensor | None] = {}
         host = self._host_frames([(i, plan) for i, plan in jobs if i not in on_gpu], images)
         try:
@@ -168,16 +166,12 @@ class Preprocessor:
                         log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", group, exc_info=True)
                         self.jpeg.stats[("pillow", "gpu_error")] += len(group)
                         decoded.update((j, None) for j in group)
-                    phases.mark("GPU decode, the rest")  # nvJPEG's own calls and the colour launch are marked inside
                 rgb = decoded.pop(i, None) if i in on_gpu else None
                 if rgb is None and i in on_gpu:  # the hardware decoder refused it: Pillow, here
                     rgb = self._upload(self.host_frame(images[i], i, plan))
-                    phases.mark("Pillow decode")
                 elif rgb is None:
                     rgb = next(host)
-                    phases.mark("Pillow decode")
                 rgb = self._resize(rgb, plan)
-                phases.mark("resize")
                 yield rgb
         finally:
             host.close()
@@ -212,7 +206,6 @@ class Preprocessor:
         # The scan checks start before the headers are read (on this thread), so that they have as long
         # as possible to finish beside the rest; a pass done again reuses their answers.
         early = self.jpeg.start_checks(blobs, self.limits.max_image_pixels) if self.jpeg is not None else {}
-        phases.mark("scan checks started")
         try:
             return self._checked(blobs, media_frames, cancelled, early)
         finally:
@@ -221,9 +214,7 @@ class Preprocessor:
 
     def _checked(self, blobs, media_frames, cancelled, early: dict):
         images = self.open(blobs)
-        phases.mark("headers")
         plans = self.plan(images, media_frames)
-        phases.mark("plan")
         forced: dict[int, str] = {}
         while True:  # twice at most: a file's check gives the same answer every time
             pending: dict = {}
@@ -235,7 +226,6 @@ class Preprocessor:
                     verdict.cancel()
                 raise
             verdicts = self.jpeg.settle(pending) if pending else {}
-            phases.mark("scan checks awaited")
             refused = {i: why for i, why in verdicts.items() if why is not None}
             if not refused:
                 if verdicts:
@@ -260,7 +250,6 @@ class Preprocessor:
             for n, m in enumerate(plans):
                 if cancelled is not None and cancelled():
                     raise RequestCancelled(f"cancelled by the client after {n} of {len(plans)} media")
-                phases.mark("cancel check")
                 # Pulling frames runs _frames up to its next yield: decode (and resize) marks come from there.
                 frames = [next(frames_in_order) for _ in m.frames]
                 if not m.is_video and run and plans[n - 1].plan == m.plan and _follows(run[-1], frames[0]):
@@ -280,12 +269,10 @@ class Preprocessor:
             pixel_values = chunks[0]
         else:
             pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
-            phases.mark("concatenate")
         grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
         return pixel_values, grid_thws
 
     def _patchify(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
-        phases.mark("join frames")  # since the frames were pulled: runs checked and joined (a view), videos stacked
         if tuple(pixels.shape[-3:]) != (plan.height, plan.width, 3):
             raise ValueError(f"expected {plan.height}x{plan.width}x3 pixels for this plan, got {tuple(pixels.shape)}")
         args = (pixels, self.table, plan.patch_size, plan.padded_height, plan.padded_width, self.out_dtype)
@@ -293,5 +280,4 @@ class Preprocessor:
             out = patchify.normalize_patchify(*args)
         else:
             out = patchify.pad_normalize_patchify(*args)
-        phases.mark("patchify")
         return out

@@ -38,18 +38,12 @@ _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # the threads a batch of checks runs on; the C library's pool of threads is started on first use and
 # kept. Every core this process may run on (host_threads.CORES: its affinity and its cgroup's CPU
 # quota), up to 16: unlike Pillow's decode threads (host_threads) these never take the GIL, and a check
-# is the longest part of preprocessing a large JPEG, or of eight small ones. KIMI_SCAN_CHECK_THREADS
-# (1-16) sets it, e.g. for a host shared with other services.
+# is the longest part of preprocessing a large JPEG, or of eight small ones.
 MAX_THREADS = 16  # scan_check.c's MAX_THREADS
 
 
 def _threads() -> int:
-    value = os.environ.get("KIMI_SCAN_CHECK_THREADS", "").strip()
-    if not value:
-        return min(MAX_THREADS, host_threads.CORES)
-    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_THREADS:
-        raise ValueError(f"KIMI_SCAN_CHECK_THREADS={value!r}: expected a whole number from 1 to {MAX_THREADS}")
-    return int(value)
+    return min(MAX_THREADS, host_threads.CORES)
 
 
 THREADS = _threads()

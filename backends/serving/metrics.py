@@ -10,14 +10,9 @@ them).
 - kimi_vision_decodes_total{model,path,reason}: images decoded on the GPU, or by Pillow and why.
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
-- kimi_vision_phase_seconds_total{model,phase}: with KIMI_PHASES=1 only (backends/phases.py), that
-  time taken apart by phase, e.g. headers, nvjpegDecodeBatched, colour launched, scan checks awaited. Per request, so
-  divided by step_seconds_count it is the mean per request and phase; moonvit3d counts each batch's
-  forward once (its step time counts it once per request of the batch).
-
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
   that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
-  in moonvit3d and kimi_k25_vision_fused also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
+  in moonvit3d also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
   per-grid tables), which grows towards its bounds as new shapes arrive. Allocated minus cached that
   keeps growing is a leak; reserved that grows while allocated does not is the allocator's cache.
 
@@ -80,10 +75,9 @@ class ModelMetrics:
     CLOSE_WAIT_S = 5.0  # how long close waits for a busy sender, twice at most
 
     def __init__(self, pb_utils, model: str, flush_s: float | None = None, instance: str = "",
-                 memory: Callable[[], dict[str, float]] | None = None, phases_on: bool = False):
+                 memory: Callable[[], dict[str, float]] | None = None):
         """memory, if given (GPU instances): returns {"allocated": bytes, "reserved": bytes} and, for the
-        encoder, "cached"; the sender sets the gauges from it every MEMORY_EVERY_S. phases_on: register
-        the phase counter (backends/phases.py is on)."""
+        encoder, "cached"; the sender sets the gauges from it every MEMORY_EVERY_S."""
         self.model, self.instance, self.memory = model, instance, memory
         self._memory_sent: dict[str, float] = {}
         self._memory_at = float("-inf")
@@ -104,8 +98,6 @@ class ModelMetrics:
             ("kimi_vision_patches_total", kinds.COUNTER, "Patches (14 x 14 pixels) preprocessed"),
             ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
             ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
-            ("kimi_vision_phase_seconds_total", kinds.COUNTER if phases_on else None,
-             "Time our code spends on requests, by model and phase (KIMI_PHASES=1)"),
             ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
              "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved, cached"),
         ):
@@ -138,16 +130,6 @@ class ModelMetrics:
     def decodes(self, counts: dict) -> None:
         for (path, reason), n in counts.items():
             self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
-
-    def phases(self, seconds: dict[str, float]) -> None:
-        """One request's (or batch's) phases, name -> seconds (backends/phases.end()), under one lock."""
-        if not seconds:
-            return
-        with self._lock:
-            for phase, value in seconds.items():
-                if value:
-                    self._sums[_key("kimi_vision_phase_seconds_total", {"phase": phase})] += value
-        self._started()
 
     def step_time(self, seconds: float) -> None:
         with self._lock:

@@ -14,15 +14,14 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from backends import phases
 from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
-from backends.errors import RequestCancelled, RequestError
+from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
-from contract import EXPANDED_IDS, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,6 @@ class PreprocessStep:
                  cancelled=None, input_ids=None):
         if input_ids is not None:
             check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
-            phases.mark("prompt check")
         pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
         counts = [m.plan.num_tokens for m in plans]
         if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:
@@ -153,18 +151,18 @@ class PreprocessStep:
 
 
 class HeldCount:
-    """Device bytes that some encoder steps' CUDA graphs and the per-grid caches keep alive, counted
-    together (a table held by a cache and by graphs counts once), and recounted only when a graph or a
+    """Device bytes that an encoder step's CUDA graphs and the per-grid caches keep alive, counted
+    together (a table held by a cache and by a graph counts once), and recounted only when a graph or a
     cached table may have changed. Counted on the thread that encodes; others read `bytes`."""
 
-    def __init__(self, steps, device):
-        self.steps, self.device = steps, device
+    def __init__(self, step, device):
+        self.step, self.device = step, device
         self.bytes, self._key = 0, None
 
     def update(self) -> None:
-        key = tuple(s.held_key() for s in self.steps)
+        key = self.step.held_key()
         if key != self._key:
-            tensors = [*(t for s in self.steps for t in s.graph_tensors()), *cached_tensors()]
+            tensors = [*self.step.graph_tensors(), *cached_tensors()]
             self.bytes = held_bytes(tensors, device=self.device)
             self._key = key
 
@@ -182,20 +180,17 @@ class EncoderStep:
     request is retried on its own so one bad request cannot take the batch down.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0, capture_lock=None, count_held: bool = True):
+    def __init__(self, model, cuda_graphs: int = 0):
         self.model = model
-        # False where an owner of several steps on one model counts what they hold together
-        # (FusedStep's lanes: the per-grid tables are the process's, and a table a graph holds counts once).
-        self.count_held = count_held
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
         self._graphed = None
         if cuda_graphs > 0 and model.device.type == "cuda":
             from backends.encoder.graphs import GraphedEncoder
 
-            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs, capture_lock=capture_lock)
+            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs)
         self.merge_tokens = model.cfg.merge_tokens
-        self._held = HeldCount([self], model.device)
+        self._held = HeldCount(self, model.device)
 
     def cached_bytes(self) -> int:
         """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers and the per-grid
@@ -214,10 +209,6 @@ class EncoderStep:
     def graph_tensors(self) -> list[torch.Tensor]:
         return self._graphed.held_tensors() if self._graphed is not None else []
 
-    def will_replay(self, req: EncoderRequest) -> bool:
-        """Whether this request alone replays a captured graph: a forward that builds no tables."""
-        return self._graphed is not None and self._graphed.will_replay(req.pixel_values.shape[0], req.grid_thws)
-
     def check(self, req: EncoderRequest) -> None:
         grid = np.asarray(req.grid_thws)
         if grid.ndim != 2 or grid.shape[1] != 3:
@@ -231,8 +222,7 @@ class EncoderStep:
         try:
             return self._run_batch(requests)
         finally:
-            if self.count_held:
-                self._held.update()
+            self._held.update()
 
     def _run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
@@ -269,9 +259,7 @@ class EncoderStep:
         # One request (the plain ensemble, a batch of one) is used where it lies: no copy.
         parts = [r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs]
         pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
-        phases.mark("assemble batch")
         out = self.forward(pixels, grids)
-        phases.mark("forward launched")
         # Split on host-known token counts: no device read.
         sizes = [self._tokens(r.grid_thws) for r in reqs]
         return list(torch.split(out, sizes))
@@ -279,81 +267,3 @@ class EncoderStep:
     def _tokens(self, grid_thws) -> int:
         grid = np.asarray(grid_thws, dtype=np.int64).reshape(-1, 3)
         return int((grid[:, 1] * grid[:, 2]).sum() // self.merge_tokens)
-
-
-class FusedStep:
-    """INPUT_IDS + IMAGES (+ MEDIA_FRAMES) -> EXPANDED_IDS + IMAGE_EMBEDS + GRID_THWS + IMAGE_TOKEN_COUNTS:
-    the ensemble's three steps back to back in one process (kimi_k25_vision_fused), with the same
-    checks in the same order and the same numbers.
-
-    The ensemble hands every request from process to process: the preprocessing's answer back to the
-    server, then the encoder's queue and a second stub, each hop a few tenths of a millisecond of IPC
-    and tensor hand-over. Here the pixels go straight into the encoder. Called whole, an instance takes
-    its next request only once this one's outputs are copied out (the server waits for that), so under
-    concurrency the next request's preprocessing would not run beside this one's encoder. Hence its two
-    halves: the adapter's pipeline runs `prepare` on the request thread and `encode` on a worker thread,
-    with `lanes` encoder steps whose forwards may run side by side
-    (docs/triton_runtime.md#the-fused-models-pipeline).
-    """
-
-    def __init__(self, cfg: VisionConfig, model, limits: Limits = Limits(), cuda_graphs: int = 0, capture_lock=None,
-                 lanes: int = 1):
-        self.cfg = cfg
-        # Pixels in the encoder's dtype, as kimi_preprocess hands them to moonvit3d in the same deployment.
-        self.preprocess = PreprocessStep(cfg, limits, device=model.device, out_dtype=model.dtype)
-        self.pre = self.preprocess.pre  # its Preprocessor (the adapter counts its decodes)
-        # One encoder step per lane, all on the one model (one copy of the weights): each has its own
-        # CUDA graphs, so that two lanes' forwards may run at once on two streams (the pipeline's).
-        self.encoders = [EncoderStep(model, cuda_graphs=cuda_graphs, capture_lock=capture_lock, count_held=False)
-                         for _ in range(max(1, lanes))]
-        self.encoder = self.encoders[0]
-        self._held = HeldCount(self.encoders, model.device)  # all lanes' graphs and the tables, once
-
-    def cached_bytes(self) -> int:
-        """As EncoderStep.cached_bytes, for all lanes together."""
-        return self._held.bytes
-
-    def __call__(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None, cancelled_now=None,
-                 embeds: bool = True) -> dict:
-        """`cancelled()` is asked between media (a throttled question, as kimi_preprocess asks it),
-        `cancelled_now()` once before the encoder (as moonvit3d asks each request before its forward):
-        True raises RequestCancelled. `embeds` False: IMAGE_EMBEDS is not wanted and the encoder does not
-        run; the images are still decoded, so that a file the ensemble refuses is refused here too
-        (the ensemble runs kimi_preprocess for every subset of its outputs)."""
-        out = self.prepare(input_ids, images, media_frames, cancelled)
-        return self.encode(out, cancelled_now) if embeds else self.without_embeds(out)
-
-    def prepare(self, input_ids, images: Sequence[bytes], media_frames=None, cancelled=None) -> dict:
-        """Everything before the encoder: the outputs but IMAGE_EMBEDS, and PIXEL_VALUES for `encode`."""
-        # kimi_preprocess's step: the prompt checked before any image is read, then the images.
-        out = self.preprocess(images, media_frames=media_frames, cancelled=cancelled, input_ids=input_ids)
-        out[EXPANDED_IDS] = expand_placeholders(input_ids, self.cfg.tokens.media_pad, out[IMAGE_TOKEN_COUNTS].tolist())
-        phases.mark("expand ids")
-        return out
-
-    @staticmethod
-    def without_embeds(out: dict) -> dict:
-        """`prepare`'s outputs as the answer when IMAGE_EMBEDS is not wanted."""
-        out.pop(PIXEL_VALUES)
-        return out
-
-    def replays(self, out: dict, lane: int = 0) -> bool:
-        """Whether `encode(out, lane=lane)` would replay a captured graph (backends/encoder/graphs.py)."""
-        return self.encoders[lane].will_replay(EncoderRequest(out[PIXEL_VALUES], out[GRID_THWS]))
-
-    def encode(self, out: dict, cancelled_now=None, lane: int = 0) -> dict:
-        """`prepare`'s outputs with PIXEL_VALUES replaced by IMAGE_EMBEDS (launched, not waited for, on CUDA),
-        by the encoder step of `lane`."""
-        # A client that gave up meanwhile (a deadline) costs no encoder time.
-        if cancelled_now is not None and cancelled_now():
-            raise RequestCancelled("cancelled by the client before the encoder ran")
-        phases.mark("cancel check before the encoder")
-        pixel_values = out.pop(PIXEL_VALUES)
-        try:
-            (result,) = self.encoders[lane].run_batch([EncoderRequest(pixel_values, out[GRID_THWS])])
-        finally:
-            self._held.update()
-        if isinstance(result, Exception):
-            raise result
-        out[IMAGE_EMBEDS] = result
-        return out

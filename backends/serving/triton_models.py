@@ -9,38 +9,28 @@ host numpy arrays, and empty tensors (whose DLPack export fails in the 2.51 stub
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import logging
-import signal
-import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from backends import phases
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
-from backends.serving.pipeline import Pipeline, Streams
 from backends.serving.profiling import ExecuteProfiler
-from contract import (FORWARD_SUFFIX, FUSED, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
+from backends.serving.steps import (EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep,
+                                    throttled)
+from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
                       PIXEL_VALUES)
-from backends.serving.steps import (EncoderRequest, EncoderStep, FusedStep, ModelSettings, PlaceholderStep,
-                                    PreprocessStep, throttled)
 
 log = logging.getLogger("kimi_vision")
 
 # How often preprocessing asks whether its request was cancelled (each question is an IPC round trip).
 CANCEL_CHECK_S = 0.02
-# The fused pipeline's watchdog on a GPU (FusedModel._stalled): no forward launched or answer sent for this
-# long while requests are held, or one request's preprocessing this long. On the H200 a 3000^2 forward
-# takes ~0.1 s and a graph capture a few seconds.
-PIPELINE_STALL_S = 30.0
 
 _NUMPY_EMPTY = {torch.float32: np.float32, torch.int64: np.int64, torch.float16: np.float16}
 
@@ -153,8 +143,7 @@ class _Adapter:
         self.name = args.get("model_name", self.name)  # twins (…_batched) share the class
         self.instance_name = args.get("model_instance_name", self.name)
         memory = self._cuda_memory if self.settings.device.startswith("cuda") else None
-        self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory,
-                                    phases_on=phases.ENABLED)
+        self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory)
         self.profiler = ExecuteProfiler(self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
@@ -189,17 +178,13 @@ class _Adapter:
         responses = []
         for request in requests:
             t0 = time.perf_counter()
-            phases.begin()  # the phases add up to the step time, but for the microseconds around them
             try:
                 inputs = self.inputs(request)
                 outputs = self.respond(inputs)
-                phases.mark("step")  # what the step's own marks left (the whole step where it has none)
                 responses.append(self.response(inputs, outputs))
-                phases.mark("output tensors")
             except Exception as exc:  # noqa: BLE001 - one response per request, always
                 responses.append(self.error_response(exc))
-                phases.mark("failed")
-            self.count(t0, phases.end())
+            self.metrics.step_time(time.perf_counter() - t0)
         return responses
 
     def response(self, inputs: _Inputs, outputs: dict):
@@ -207,11 +192,6 @@ class _Adapter:
         outputs = inputs.shape_outputs(outputs)
         outputs.update({name + FORWARD_SUFFIX: outputs[name] for name in self.forwarded})
         return pb_utils.InferenceResponse(output_tensors=[_output(k, v) for k, v in outputs.items()])
-
-    def count(self, t0: float, seconds: dict) -> None:
-        """One request's phases and its step time (from t0, when the model took it)."""
-        self.metrics.phases(seconds)
-        self.metrics.step_time(time.perf_counter() - t0)
 
     def finalize(self):
         profiler = getattr(self, "profiler", None)  # None if initialize failed before making it
@@ -268,7 +248,6 @@ class PreprocessModel(_Adapter):
         images = inputs.bytes_list(IMAGES)
         counts, frames = inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True), inputs.numpy(MEDIA_FRAMES, optional=True)
         input_ids = inputs.numpy(INPUT_IDS, optional=True)
-        phases.mark("read inputs")
         with _decodes_counted(self.metrics, self.step.pre):
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
@@ -287,157 +266,6 @@ def _load_encoder(settings: ModelSettings, config: dict):
     return model
 
 
-@dataclass
-class _FusedJob:
-    """One request between the fused model's two stages (backends/serving/pipeline.py)."""
-
-    inputs: _Inputs
-    sender: object  # the request's response sender: its one answer goes out through it
-    out: dict  # FusedStep.prepare's outputs, PIXEL_VALUES still in
-    ready: object  # CUDA event: the preprocessing that wrote PIXEL_VALUES (None on CPU)
-    t0: float  # when execute took the request: the step time runs until the answer is sent
-    phases: dict  # its phases so far (name -> seconds); the worker adds its own
-
-
-class FusedModel(_Adapter):
-    """kimi_k25_vision_fused: the ensemble's contract, its three steps in this one instance (FusedStep).
-
-    With its pipeline on (parameter `pipeline`), `execute` preprocesses a request on one CUDA stream and
-    hands it to a worker thread that runs the encoder on another and answers through the request's
-    response sender, so that the next request's preprocessing runs beside this one's forward
-    (backends/serving/pipeline.py). Off, each request is answered from `execute`."""
-
-    name = FUSED
-
-    def setup(self):
-        params = {k: v.get("string_value", "") for k, v in self.config.get("parameters", {}).items()}
-        self.pipelined = params.get("pipeline", "no") == "yes"
-        # Encoder lanes: forwards that may run side by side on their own streams (Streams); a GPU pipeline's.
-        lanes = int(params.get("encoder_lanes") or 1)
-        if lanes < 1:
-            raise ValueError(f"parameter encoder_lanes must be at least 1, got {lanes}")
-        if not (self.pipelined and self.settings.device.startswith("cuda")):
-            lanes = 1
-        # Graph captures wait for the preprocessing thread's GPU work and keep it out meanwhile.
-        self.gpu_lock = threading.Lock() if self.pipelined else contextlib.nullcontext()
-        self.step = FusedStep(self.settings.vision, _load_encoder(self.settings, self.config), self.settings.limits,
-                              cuda_graphs=self.settings.cuda_graphs,
-                              capture_lock=self.gpu_lock if self.pipelined else None, lanes=lanes)
-        if self.pipelined:
-            # Every thread's stack into the server's log on SIGUSR1 (tools/lanes_probe.py sends it when a
-            # request passes its deadline): where a stuck request waits.
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
-            self.streams = Streams(torch.device(self.settings.device), lanes=lanes)
-            self._next_lane = 0
-            self.pipeline = Pipeline(self._launch, self._finish, in_flight=lanes + 1,
-                                     context=self.streams.device_context, name=f"{self.name}-encoder",
-                                     # GPU only: a CPU forward of a large request can take minutes.
-                                     stall_s=PIPELINE_STALL_S if self.streams.cuda else None,
-                                     on_stall=self._stalled)
-
-    def _stalled(self, seconds: float, what: str) -> None:
-        """The pipeline's watchdog: no progress for a while. Twice on the H200 a pipelined run stopped
-        answering without an error (bench/results/h200-2026-12-02-seventeenth.md); this puts where every
-        thread of this instance's stub waits into the server's log (the stub's stderr is the server's)."""
-        log.error("%s (%s): %s for %.0f s (a stalled pipeline); every thread's stack follows",
-                  self.name, self.instance_name, what, seconds)
-        faulthandler.dump_traceback(all_threads=True)
-
-    def _prepare(self, inputs: _Inputs):
-        images = inputs.bytes_list(IMAGES)
-        ids, frames = inputs.numpy(INPUT_IDS), inputs.numpy(MEDIA_FRAMES, optional=True)
-        # Outputs nobody asked for are dropped by the server; without IMAGE_EMBEDS the encoder does not run.
-        embeds = IMAGE_EMBEDS in inputs.request.requested_output_names()
-        phases.mark("read inputs")
-        with _decodes_counted(self.metrics, self.step.pre):
-            out = self.step.prepare(ids, images, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S))
-        self.metrics.preprocessed(len(images), int(sum(int(t * h * w) for t, h, w in out[GRID_THWS])))
-        return out, embeds
-
-    def respond(self, inputs: _Inputs):
-        out, embeds = self._prepare(inputs)
-        return self.step.encode(out, cancelled_now=inputs.request.is_cancelled) if embeds else self.step.without_embeds(out)
-
-    def _execute(self, requests):
-        if not self.pipelined:
-            return super()._execute(requests)
-        return [self._accept(request) for request in requests]
-
-    def _accept(self, request):
-        """The first stage: the request preprocessed, then handed to the worker (None: answered later)
-        or answered now (an error, or no IMAGE_EMBEDS wanted)."""
-        t0 = time.perf_counter()
-        phases.begin()
-        try:
-            with self.pipeline.first_stage(), self.gpu_lock, self.streams.preprocessing():
-                inputs = self.inputs(request)
-                out, embeds = self._prepare(inputs)
-                ready = self.streams.record_pre() if embeds else None
-            if embeds:
-                job = _FusedJob(inputs, request.get_response_sender(), out, ready, t0, phases.end())
-                self.pipeline.submit(job)  # blocks while the worker is a request behind
-                return None
-            response = self.response(inputs, self.step.without_embeds(out))
-            phases.mark("output tensors")
-        except Exception as exc:  # noqa: BLE001 - one response per request, always
-            response = self.error_response(exc)
-            phases.mark("failed")
-        self.count(t0, phases.end())
-        return response
-
-    def _launch(self, job: _FusedJob):
-        """The second stage, on the worker thread: the forward launched on the next lane, queued behind
-        that lane's previous one, not waited for."""
-        phases.begin()
-        lane, self._next_lane = self._next_lane, (self._next_lane + 1) % self.streams.lanes
-        try:
-            with self.streams.lane(lane):
-                self.streams.hand_over(job.ready, [job.out[PIXEL_VALUES]], lane)
-                side_by_side = self.step.replays(job.out, lane)
-                self.streams.before_forward(lane, side_by_side)
-                phases.mark("hand-over")
-                out = self.step.encode(job.out, cancelled_now=job.sender.is_cancelled, lane=lane)
-                return out, self.streams.after_forward(lane, side_by_side)
-        finally:
-            _add_phases(job.phases, phases.end())
-
-    def _finish(self, job: _FusedJob, launched, error: BaseException | None):
-        """The answer, once the forward has run: through the response sender, with the FINAL flag."""
-        phases.begin()
-        try:
-            if error is not None:  # what the launch raised (or why the worker stopped): this request's error
-                raise error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}: {error}")
-            out, done = launched
-            self.streams.wait(done)
-            phases.mark("encoder wait")
-            response = self.response(job.inputs, out)
-            phases.mark("output tensors")
-        except Exception as exc:  # noqa: BLE001 - this request alone
-            response = self.error_response(exc)
-        try:
-            job.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        except Exception as exc:  # noqa: BLE001
-            # The server answers the client itself when it cannot place the outputs; a send that fails
-            # before reaching it has closed the sender all the same (python_backend 2.51): nothing more
-            # can be sent, so it is counted and logged.
-            self.metrics.failure(exc)
-            log.error("%s: sending a response failed: %s", self.name, exc)
-        phases.mark("send")
-        self.count(job.t0, _add_phases(job.phases, phases.end()))
-
-    def finalize(self):
-        pipeline = getattr(self, "pipeline", None)
-        if pipeline is not None:
-            pipeline.close()  # every request already handed over is answered before the model unloads
-        super().finalize()
-
-
-def _add_phases(into: dict, more: dict) -> dict:
-    for name, seconds in more.items():
-        into[name] = into.get(name, 0.0) + seconds
-    return into
-
-
 class EncoderModel(_Adapter):
     name = "moonvit3d"
 
@@ -447,23 +275,17 @@ class EncoderModel(_Adapter):
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
         t0 = time.perf_counter()
-        # The batch taken apart, once per batch: reading the requests (is_cancelled() is an IPC round trip
-        # to the server per request), the forward, the responses.
-        phases.begin()
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:
             try:
                 cancelled = request.is_cancelled()
-                phases.mark("cancel check")
                 if cancelled:  # dropped from the batch: nobody waits for its embeddings
                     raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
                 parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-            phases.mark("read inputs")
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
-        phases.mark("step")  # what the encoder step's own marks left: checks, the split, cache bookkeeping
         responses = []
         for p in parsed:
             result = next(results) if isinstance(p, tuple) else p
@@ -474,9 +296,7 @@ class EncoderModel(_Adapter):
                 responses.append(pb_utils.InferenceResponse(output_tensors=[_output(IMAGE_EMBEDS, outputs[IMAGE_EMBEDS])]))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
-        phases.mark("output tensors")
         elapsed = time.perf_counter() - t0
-        self.metrics.phases(phases.end())
         for _ in requests:
             self.metrics.step_time(elapsed)  # every request of the batch waited for the whole batch
         return responses

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -110,9 +111,15 @@ def machine_line() -> str:
 
 
 def write_report(out: Path, name: str, lines: list[str], results: dict) -> None:
-    """Print the markdown table and keep it (name.md) with the raw numbers (name.json) under out/."""
+    """Print the markdown table and keep it (name.md) with the raw numbers (name.json) under out/; the
+    table, under the command that made it, also becomes section `name` of this machine's results page
+    (lab/results/<kind>.md)."""
+    from lab.bench.results_page import write_section
+
     text = "\n".join(lines) + "\n"
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(text)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    command = "$ python -m " + " ".join([f"lab.bench.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
+    write_section("gpu" if torch.cuda.is_available() else "cpu", name, f"{command}\n\n{text}")

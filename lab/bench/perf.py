@@ -36,21 +36,21 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import serialize_byte_tensor
 
-from backends import phases
-from backends.config import env_flag, env_int
-from backends.deploy import mps, native_stacks
-from backends.deploy.repository import Deployment, model_configs
-from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, FUSED, PLACEHOLDER
+from backends.config import env_int
+from backends.deploy import mps
 from backends.deploy.launcher import BUILD, deployment_server, gpu_count, resolve_device
+from backends.deploy.repository import Deployment, model_configs
 from backends.placeholder.expand import expand_placeholders
 from backends.preprocess.decode import open_image
 from backends.preprocess.media import plan_media
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
+from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, PLACEHOLDER
 from lab.bench.gpu_clocks import ClockSampler
+from lab.bench.results_page import write_section
 
-# What --ensembles names: the two ensembles, and the one-model route of the same contract (rendered when asked for).
-ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE, "fused": FUSED}
+# What --ensembles names.
+ENSEMBLES = {"plain": ENSEMBLE, "batched": BATCHED_ENSEMBLE}
 SHM_MODES = ("none", "system", "cuda")
 
 
@@ -177,9 +177,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measurement-ms", type=int, default=4000)
     ap.add_argument("--stability", type=int, default=25, help="perf_analyzer --stability-percentage")
     ap.add_argument("--ensembles", default="plain",
-                    help="comma-separated: plain (kimi_k25_vision), batched (kimi_k25_vision_batched, "
-                         "requests of batch 1 that the server batches across clients) and/or fused "
-                         "(kimi_k25_vision_fused, the three steps in one model instance); one server, one run")
+                    help="comma-separated: plain (kimi_k25_vision) and/or batched (kimi_k25_vision_batched, "
+                         "requests of batch 1 that the server batches across clients); one server, one run")
     ap.add_argument("--shared-memory", default="none",
                     help="comma-separated perf_analyzer --shared-memory modes to measure side by side: none "
                          "(gRPC), system (POSIX shm, same host) and/or cuda (CUDA shm, needs a GPU here); "
@@ -188,12 +187,6 @@ def main(argv=None) -> int:
                     help="own server: moonvit3d instances per GPU (2 lets one's host work overlap the other's kernels)")
     ap.add_argument("--preprocess-instances", type=int, default=env_int("KIMI_PREPROCESS_INSTANCES", 0),
                     help="own server: per GPU; 0 = the default (KIMI_PREPROCESS_INSTANCES, as the launcher reads it)")
-    ap.add_argument("--fused-pipeline", action=argparse.BooleanOptionalAction,
-                    default=env_flag("KIMI_FUSED_PIPELINE", False),
-                    help="own server: kimi_k25_vision_fused preprocesses a request while its encoder runs the previous "
-                         "one (default off, or KIMI_FUSED_PIPELINE, as the launcher reads it)")
-    ap.add_argument("--fused-lanes", type=int, default=env_int("KIMI_FUSED_LANES", 2),
-                    help="own server, with --fused-pipeline on a GPU: encoder lanes (default 2, or KIMI_FUSED_LANES)")
     ap.add_argument("--mps", action="store_true",
                     help="GPU, own server: run the server and perf_analyzer under a CUDA MPS daemon of their own "
                          "(backends/deploy/mps.py, as the launcher's --mps), stopped with the server; the encoder "
@@ -202,6 +195,9 @@ def main(argv=None) -> int:
                     help="seconds one perf_analyzer run may take before it counts as hung (default: 12 measurement "
                          "windows + 120 s)")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
+    ap.add_argument("--section", default="",
+                    help="also write the table into this section of lab/results/<machine>.md (lab/RESULTS.md "
+                         "lists the sections the docs quote)")
     args = ap.parse_args(argv)
     plan = preflight(args)  # before any daemon starts: a run refused on its arguments leaves nothing behind
     daemon = None
@@ -249,25 +245,22 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     if served:
         device = served.device
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances, fused="fused" in ensembles,
-                     fused_pipeline=args.fused_pipeline, fused_lanes=args.fused_lanes)
+                     preprocess_instances=args.preprocess_instances)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
     if max(levels) > dep.max_queue:
-        print(f"note: concurrency {max(levels)} exceeds the queue bound ({dep.max_queue} waiting for moonvit3d, "
-              f"or for kimi_k25_vision_fused); the server refuses what does not fit, so expect errors there")
+        print(f"note: concurrency {max(levels)} exceeds the queue bound ({dep.max_queue} waiting for moonvit3d); "
+              f"the server refuses what does not fit, so expect errors there")
     # Under --mps the server and perf_analyzer are the daemon's clients; this process is not (its own
     # CUDA context, for the encoder alone, would keep the daemon from quitting).
     mps_env = daemon.env() if daemon else {}
     server = served or deployment_server(dep, f"perf-{device}", env=mps_env)
     runs = [(ENSEMBLES[e], shm, level) for e in ensembles for shm in shm_modes for level in levels]
-    rows, phase_lines = [], []
+    rows = []
     # The GPU's clock while each run goes (lab/bench/gpu_clocks.py): near the power limit it follows the load,
     # so a served figure and the encoder alone's are read with their clocks beside them.
     clocks = ClockSampler() if device == "gpu" else None
-    # KIMI_PHASES=1 (backends/phases.py): our own server inherits it, so its stubs count their phases
-    phases_on = phases.ENABLED and served is None
     t0 = time.monotonic()
     with server:
         # A few requests per ensemble first, so that no measurement window pays for first-call work
@@ -278,8 +271,6 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
             for _ in range(3):
                 client.infer(chat_prompt_ids(len(images)), images)
             client.close()
-        if phases_on:
-            time.sleep(0.6)  # the warm-up's phases in before the first reading
         hung = None  # the run that timed out: the server may be stuck, so the later runs are not started
         for model, shm, level in runs:
             if hung is not None:
@@ -295,19 +286,14 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(output_region)]
             print("$", shlex.join(cmd), flush=True)
             counts_before = encoder_counts(server.grpc_url)
-            phases_before = phase_totals(server.metrics_url) if phases_on else None
             run_start = time.perf_counter()
             try:
-                # At most --max-trials windows plus start-up and draining. A run past that is taken as hung:
-                # its stacks are written and the later runs are not started (the server may be stuck).
+                # At most --max-trials windows plus start-up and draining. A run past that is taken as hung
+                # and the later runs are not started (the server may be stuck).
                 proc = subprocess.run(cmd, env={**perf_analyzer_env(args.perf_dir), **mps_env}, capture_output=True, text=True,
                                       timeout=args.run_timeout or 12 * args.measurement_ms / 1000 + 120)
             except subprocess.TimeoutExpired as exc:
                 print(f"perf_analyzer timed out after {exc.timeout:.0f}s ({model}, shm {shm}, concurrency {level})")
-                if served is None:  # our own server: where it waits (docs/triton_runtime.md, the fused pipeline's hang)
-                    stacks = args.out / f"native_stacks_{model}_c{level}.txt"
-                    native_stacks.dump(native_stacks.server_and_stubs(server.proc.pid), stacks)
-                    print(f"native stacks of the server and its stubs: {stacks}", flush=True)
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": "timeout"})
                 hung = f"the timeout at {model} c={level}"
                 continue
@@ -318,10 +304,6 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
                 rows.append({"model": model, "shm": shm, "Concurrency": str(level), "failed": proc.returncode})
                 continue
             counts_after = encoder_counts(server.grpc_url)
-            if phases_before is not None:
-                time.sleep(0.6)  # the stubs send their sums every 0.2 s
-                phase_lines += phase_report(f"{model} shm {shm} c={level}", phases_before,
-                                            phase_totals(server.metrics_url))
             batch = float("nan")
             if counts_before and counts_after and counts_after[1] > counts_before[1]:
                 batch = (counts_after[0] - counts_before[0]) / (counts_after[1] - counts_before[1])
@@ -343,16 +325,12 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"checkpoint={args.checkpoint or 'embedded demo'}, images={args.images} ({len(images)} per request), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
-                                  f"kimi_preprocess {dep.preprocess_instances}"
-                                  + (f", {FUSED} {dep.encoder_instances} (pipeline {'on' if dep.fused_pipeline else 'off'}"
-                                     + (f", lanes {dep.fused_lanes}" if dep.device == "gpu" and dep.fused_pipeline else "") + ")"
-                                     if dep.fused else ""))
+                                  f"kimi_preprocess {dep.preprocess_instances}")
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),
              "out ms = server compute output (avg), net ms = network + server send/recv (avg), "
-             "enc batch = requests per moonvit3d execution over perf_analyzer's whole run at that level"
-             + (" (nan for kimi_k25_vision_fused, which does not use moonvit3d)" if "fused" in ensembles else ""),
+             "enc batch = requests per moonvit3d execution over perf_analyzer's whole run at that level",
              f"{'ensemble':>24} {'shm':>6} {'concurrency':>11} {'infer/s':>9} {'images/s':>9} {'p50 ms':>9} "
              f"{'p99 ms':>9} {'out ms':>8} {'net ms':>8} {'enc batch':>9}"]
     if encoder_line:
@@ -370,48 +348,17 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
         lines.append("GPU SM clock and power while each run went (medians of nvidia-smi's 100 ms samples, warm-up "
                      "and drain included): " + (clock_complaint or "; ".join(
                          f"{row['model']} c={row['Concurrency']}: {row['clock']}" for row in rows if "failed" not in row)))
-    text = "\n".join(lines + phase_lines)
+    text = "\n".join(lines)
     print("\n" + text)
     (args.out / "perf_summary.md").write_text("```\n" + text + "\n```\n")
+    if args.section:
+        page = write_section(device, args.section, "```\n" + text + "\n```")
+        print(f"written to {page}")
+    failed = [row for row in rows if "failed" in row]
+    if failed:  # a level that gave no figure fails the run (make perf, CI), after the table says which
+        print(f"{len(failed)} of {len(rows)} perf_analyzer runs failed", file=sys.stderr)
+        return 1
     return 0
-
-
-def phase_totals(metrics_url: str) -> dict[str, dict[str, float]]:
-    """model -> {phase: seconds so far, plus "(steps)": requests counted}, from the server's metrics
-    (kimi_vision_phase_seconds_total, kimi_vision_step_seconds_count; KIMI_PHASES=1). Empty if unreadable."""
-    from backends.deploy.supervisor import scrape
-
-    totals: dict[str, dict[str, float]] = {}
-    try:
-        series = scrape(metrics_url)
-    except Exception:  # noqa: BLE001 - a report line, never a reason to stop
-        return totals
-    for name, labels, value in series:
-        model = labels.get("model", "")
-        if name == "kimi_vision_phase_seconds_total":
-            key = labels.get("phase", "")
-        elif name == "kimi_vision_step_seconds_count":
-            key = "(steps)"
-        else:
-            continue
-        totals.setdefault(model, {})
-        totals[model][key] = totals[model].get(key, 0.0) + value
-    return totals
-
-
-def phase_report(what: str, before: dict, after: dict) -> list[str]:
-    """One line per model that served requests between the two readings: its phases' mean ms per
-    request (a batch's phases shared by its requests), largest first."""
-    lines = []
-    for model, now in sorted(after.items()):
-        was = before.get(model, {})
-        steps = now.get("(steps)", 0.0) - was.get("(steps)", 0.0)
-        if steps <= 0:
-            continue
-        means = {k: (v - was.get(k, 0.0)) * 1000 / steps for k, v in now.items() if k != "(steps)"}
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(means.items(), key=lambda kv: -kv[1]) if v > 0)
-        lines.append(f"phases, ms per request, {what}, {model} ({steps:.0f} requests): {parts}")
-    return lines
 
 
 def encoder_counts(url: str) -> tuple[int, int] | None:

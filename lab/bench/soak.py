@@ -2,7 +2,6 @@
 
     python -m lab.bench.soak                       # CPU: 2000 requests, concurrency 8 (`make soak`)
     python -m lab.bench.soak --device gpu --requests 10000 --concurrency 16 --checkpoint DIR
-    python -m lab.bench.soak --fused               # also kimi_k25_vision_fused, a third of the requests
 
 A mix of good requests (several sizes, one or two images, both ensembles, and a JPEG whose damaged
 scan Pillow still decodes, which the GPU route's scan check sends back to Pillow) and the bad ones of
@@ -45,7 +44,7 @@ from backends.deploy.supervisor import processes, scrape
 from backends.serving.metrics import ModelMetrics
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
-from contract import FUSED
+from lab.bench.results_page import write_section
 from oracles.jpeg_corpus import damaged
 
 
@@ -221,9 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-samples", type=int, default=2, help="samples before the flatness baseline")
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", type=Path, default=BUILD / "soak")
-    ap.add_argument("--fused", action="store_true",
-                    help="also render kimi_k25_vision_fused and send it every third request (the plain and the "
-                         "batched ensemble a third each)")
+    ap.add_argument("--section", default="", help="also write the report into this section of lab/results/<machine>.md")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     mix = request_mix()
@@ -234,7 +231,7 @@ def main(argv=None) -> int:
     lock, counts, problems, samples = threading.Lock(), Counter(), [], []
     next_index = [0]
     t0 = time.monotonic()
-    dep = Deployment(device=device, checkpoint=args.checkpoint, fused=args.fused)
+    dep = Deployment(device=device, checkpoint=args.checkpoint)
     with deployment_server(dep, f"soak-{device}") as server:
         client = KimiVisionClient(server.grpc_url)
         before = memory(server)
@@ -248,7 +245,6 @@ def main(argv=None) -> int:
         def worker():
             c = KimiVisionClient(server.grpc_url)
             c_batched = KimiVisionClient(server.grpc_url, batched=True)
-            c_fused = KimiVisionClient(server.grpc_url, model=FUSED) if args.fused else c
             while True:
                 with lock:
                     i = next_index[0]
@@ -256,7 +252,7 @@ def main(argv=None) -> int:
                 if i >= len(plan):
                     break
                 label, good, ids, blobs, frames, _ = mix[plan[i]]
-                target = c_batched if i % 3 == 0 else c_fused if i % 3 == 1 else c
+                target = c_batched if i % 2 == 0 else c
                 try:
                     target.infer(ids, blobs, media_frames=frames, timeout_s=600)
                     outcome = "ok" if good else "bad request accepted"
@@ -272,8 +268,6 @@ def main(argv=None) -> int:
                         samples.append((done, memory(server)))
             c.close()
             c_batched.close()
-            if args.fused:
-                c_fused.close()
 
         threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
         for t in threads:
@@ -290,7 +284,6 @@ def main(argv=None) -> int:
     lines = [f"$ python -m lab.bench.soak {' '.join(sys.argv[1:] if argv is None else argv)}",
              f"{platform.node()} {os.cpu_count()} CPUs, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}, {args.requests} requests at concurrency {args.concurrency}"
-             f"{' (a third each: plain, batched, fused)' if args.fused else ''}, "
              f"wall {wall:.0f} s", "",
              "## One request at the limits (8 x 1792^2), memory in MiB", "",
              "| when | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
@@ -332,6 +325,8 @@ def main(argv=None) -> int:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"soak_{device}.md").write_text(text + "\n")
+    if args.section:
+        print(f"written to {write_section(device, args.section, text)}")
     flat = idle_ok and all("NOT flat" not in v for v in verdict)
     return 0 if not problems and flat else 1
 

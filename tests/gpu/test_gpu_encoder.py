@@ -4,17 +4,29 @@
 be at most 1.5x transformers' own bf16 error on the same weights and inputs (plus a small floor).
 """
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
 
 from backends.encoder.attention import available_backends
-from oracles.transformers_kimi import hf_config, hf_image_features, hf_model, load_ours, rel_err
+from backends.weights.checkpoint import load_vision_model
+from oracles.transformers_kimi import hf_config, hf_image_features, hf_model, rel_err
 
 DEV = "cuda"
 # Images only: transformers 5.17 (on the GPU host) fails on t > 1 chunks in get_image_features; video
 # chunks are checked against transformers 5.24 on CPU (tests/unit/test_encoder_oracle.py).
 GRIDS = [(1, 32, 32), (1, 74, 74), (1, 10, 36), (1, 16, 20), (1, 64, 64)]
+
+
+def load_ours(model, device="cpu", dtype=None):
+    """Our KimiVisionModel with the same weights, through save_pretrained and our loader (the layout
+    real users have on disk): the loader is under test here, so the oracle does not call it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        ours, _ = load_vision_model(tmp, device=device, dtype=dtype)
+    return ours
 
 
 @pytest.fixture(scope="module")

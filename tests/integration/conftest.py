@@ -15,11 +15,7 @@ def server():
     # A trace file, as the launcher's --trace-file gives one: tracing stays off until test_tracing turns it on.
     trace = BUILD / "trace-test" / "trace.json"
     tracing.clear(trace)
-    # KIMI_PHASES: the stubs count their host time by phase (backends/phases.py), as the stage benchmark has them.
-    # fused: kimi_k25_vision_fused too (test_fused_model), beside the ensembles, with its pipeline (opt-in):
-    # every fused test goes through it; test_fused_model starts one without it too.
-    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000, fused=True, fused_pipeline=True), "test",
-                            trace_file=trace, env={"KIMI_PHASES": "1"})
+    srv = deployment_server(Deployment(device="cpu", batch_delay_us=50_000), "test", trace_file=trace)
     with srv:
         yield srv
 

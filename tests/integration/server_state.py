@@ -42,14 +42,6 @@ def metric_sum(server, name: str, **labels) -> float:
                if n == name and all(got.get(k) == want for k, want in labels.items()))
 
 
-def phase_seconds_after(server, model: str, phase: str, steps: float) -> float:
-    """`model`'s time in `phase` (KIMI_PHASES=1), read once its step count has reached `steps`: a stub's
-    sender thread sends a request's phases before its step time, so by then they are in."""
-    eventually(lambda: metric_sum(server, "kimi_vision_step_seconds_count", model=model), lambda n: n >= steps,
-               timeout_s=30)
-    return metric_sum(server, "kimi_vision_phase_seconds_total", model=model, phase=phase)
-
-
 def eventually(read, check, timeout_s: float = 10.0, every_s: float = 0.05):
     """read() until check(value) holds; returns that value, or the last one read after timeout_s
     (the caller's assertion then shows it)."""

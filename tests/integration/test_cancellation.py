@@ -8,7 +8,7 @@ from tritonclient.utils import InferenceServerException
 
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from server_state import eventually, metric_sum, phase_seconds_after, settled, upstream_crash_tolerated
+from server_state import eventually, metric_sum, settled, upstream_crash_tolerated
 
 HEAVY = 8  # 8 x 1792^2 = the max_patches limit (8 x 16384 patches)
 
@@ -51,25 +51,3 @@ def test_preprocessing_called_directly_stops_between_images(server, heavy):
         cancelled = eventually(lambda: _cancelled(server, "kimi_preprocess"), lambda v: v != before, timeout_s=30,
                                every_s=0.2)
         assert cancelled == before + 1
-
-
-def test_the_fused_model_stops_a_request_cancelled_by_its_deadline(server, heavy):
-    """kimi_k25_vision_fused is asked directly (no ensemble between): the deadline passes while it
-    preprocesses, its check between images stops the request (or, had preprocessing ended first, the
-    one before the encoder), and its encoder never runs for it."""
-    from contract import FUSED
-
-    before = settled(lambda: _cancelled(server, FUSED))
-    steps = settled(lambda: metric_sum(server, "kimi_vision_step_seconds_count", model=FUSED))
-    forward = phase_seconds_after(server, FUSED, "forward launched", steps)
-    with upstream_crash_tolerated(server):
-        client = KimiVisionClient(server.grpc_url, model=FUSED)
-        try:
-            with pytest.raises(InferenceServerException, match="Deadline"):
-                client.infer(chat_prompt_ids(HEAVY), heavy, timeout_s=0.3)
-            assert eventually(lambda: _cancelled(server, FUSED), lambda v: v == before + 1, timeout_s=30) == before + 1
-            assert phase_seconds_after(server, FUSED, "forward launched", steps + 1) == forward  # the heavy request's encoder never ran
-            small = client.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=2), "PNG")])
-            assert small.image_embeds.shape[0] == small.token_counts.sum()
-        finally:
-            client.close()

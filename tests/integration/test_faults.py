@@ -13,11 +13,9 @@ from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import model_of, scrape, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from contract import FUSED
 from server_state import restarts as server_restarts
 
-MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched",
-          FUSED]
+MODELS = ["kimi_placeholder", "kimi_preprocess", "moonvit3d", "kimi_placeholder_batched", "kimi_preprocess_batched"]
 
 
 def _metrics(server) -> list:
@@ -29,7 +27,7 @@ def _value(samples, name, **labels) -> float:
 
 
 class Load:
-    """Requests through both ensembles and the fused model in a loop; counts what came back."""
+    """Requests through both ensembles in a loop; counts what came back."""
 
     def __init__(self, server):
         self.server, self.ok, self.failed, self.stop = server, 0, 0, threading.Event()
@@ -42,10 +40,10 @@ class Load:
             # this process's gRPC connection backing off (seconds, growing), past the server's return.
             if not self.server.serving.wait(1.0):
                 continue
-            for batched, model in ((False, None), (True, None), (False, FUSED)):
+            for batched in (False, True):
                 c = None
                 try:
-                    c = KimiVisionClient(self.server.grpc_url, batched=batched, model=model)
+                    c = KimiVisionClient(self.server.grpc_url, batched=batched)
                     c.infer(chat_prompt_ids(1), [self.blob], timeout_s=20)
                     self.ok += 1
                 except Exception:  # noqa: BLE001 - failures while a stub is dead or the server restarts
@@ -56,9 +54,9 @@ class Load:
                         c.close()
 
 
-def _serves(server, batched: bool, model: str | None = None) -> bool:
+def _serves(server, batched: bool) -> bool:
     try:
-        c = KimiVisionClient(server.grpc_url, batched=batched, model=model)
+        c = KimiVisionClient(server.grpc_url, batched=batched)
         r = c.infer(chat_prompt_ids(1), [encode(photo_like(64, 64, seed=1), "PNG")], timeout_s=20)
         c.close()
         return r.image_embeds.shape[0] > 0
@@ -86,8 +84,7 @@ def _healed(server, reason: str, restarts: int, batched: bool, backoff_s: float 
 
 
 def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
-    # the fused model with its pipeline: requests held by its worker must not outlive a killed stub unanswered
-    server = deployment_server(Deployment(device="cpu", fused=True, fused_pipeline=True), "faults")
+    server = deployment_server(Deployment(device="cpu"), "faults")
     server.kept_log("previous").unlink(missing_ok=True)  # an earlier run's
     prefixes = []
     server.start()
@@ -104,7 +101,6 @@ def test_each_models_stub_killed_under_load_is_healed_and_counted(caplog):
                 f"not healed after {name} died"
             prefixes.append(server.server.shm_prefix)
             assert _serves(server, batched=False) and _serves(server, batched=True), f"not serving after {name} died"
-            assert _serves(server, batched=False, model=FUSED), f"the fused model does not answer after {name} died"
         load.stop.set()
         load.thread.join()
         assert load.ok > 0

@@ -1,8 +1,6 @@
 """On/off settings from the environment read one way (backends.config.env_flag): KIMI_GPU_JPEG=false
 used to leave GPU decoding on (only "0" turned it off), while KIMI_MPS took 1/true/yes/on. Whole numbers
-likewise (env_int): a bad KIMI_FUSED_LANES used to stop the launcher with int()'s bare traceback."""
-
-from pathlib import Path
+likewise (env_int): a bad count used to stop the launcher with int()'s bare traceback."""
 
 import pytest
 import torch
@@ -43,7 +41,7 @@ def test_whole_numbers_unset_set_and_refused_by_name(monkeypatch):
         env_int("KIMI_SOME_COUNT", 3)
 
 
-@pytest.mark.parametrize("name", ["KIMI_FUSED_LANES", "KIMI_ENCODER_INSTANCES", "KIMI_PREPROCESS_INSTANCES"])
+@pytest.mark.parametrize("name", ["KIMI_ENCODER_INSTANCES", "KIMI_PREPROCESS_INSTANCES"])
 def test_a_bad_count_stops_the_launcher_with_one_line(monkeypatch, name):
     from backends.deploy.launcher import build_parser
 
@@ -52,7 +50,7 @@ def test_a_bad_count_stops_the_launcher_with_one_line(monkeypatch, name):
         build_parser()
     monkeypatch.setenv(name, "3")
     args = build_parser().parse_args([])
-    assert {"KIMI_FUSED_LANES": args.fused_lanes, "KIMI_ENCODER_INSTANCES": args.encoder_instances,
+    assert {"KIMI_ENCODER_INSTANCES": args.encoder_instances,
             "KIMI_PREPROCESS_INSTANCES": args.preprocess_instances}[name] == 3
 
 
@@ -69,45 +67,3 @@ def test_a_bad_kimi_mps_stops_the_launcher_with_one_line(monkeypatch):
     monkeypatch.setenv("KIMI_MPS", "maybe")
     with pytest.raises(SystemExit, match="KIMI_MPS='maybe'"):
         build_parser()
-
-
-def test_kimi_fused_renders_the_fused_model_and_a_bad_word_stops_the_launcher(monkeypatch):
-    from backends.deploy.launcher import build_parser
-
-    monkeypatch.delenv("KIMI_FUSED", raising=False)
-    assert build_parser().parse_args([]).fused is False
-    monkeypatch.setenv("KIMI_FUSED", "yes")
-    assert build_parser().parse_args([]).fused is True
-    assert build_parser().parse_args(["--no-fused"]).fused is False
-    monkeypatch.setenv("KIMI_FUSED", "maybe")
-    with pytest.raises(SystemExit, match="KIMI_FUSED='maybe'"):
-        build_parser()
-
-
-def test_kimi_profile_torch_is_read_only_when_profiling(monkeypatch):
-    from backends.serving.profiling import ExecuteProfiler
-
-    monkeypatch.setenv("KIMI_PROFILE_TORCH", "maybe")
-    monkeypatch.delenv("KIMI_PROFILE_DIR", raising=False)
-    assert ExecuteProfiler("m").torch is True  # not profiling: the word is never read
-    monkeypatch.setenv("KIMI_PROFILE_DIR", "/tmp/profile")
-    with pytest.raises(ValueError, match="KIMI_PROFILE_TORCH"):
-        ExecuteProfiler("m")
-
-
-@pytest.mark.parametrize("value,handle", [("", "HeaderOnly"), ("on", "HeaderOnly"), ("off", "JpegImageFile")])
-def test_kimi_jpeg_header_chooses_who_reads_headers(value, handle):
-    """KIMI_JPEG_HEADER, read once as the process imports the decode module (a stub takes it from the
-    server's environment): a plain JPEG's handle comes from our header reader unless it says off."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import io; from PIL import Image; from backends.preprocess.decode import open_image\n"
-            "buf = io.BytesIO(); Image.new('RGB', (8, 8)).save(buf, 'JPEG')\n"
-            "print(type(open_image(buf.getvalue(), 0, 10**6)).__name__)")
-    env = {**os.environ, "KIMI_JPEG_HEADER": value}
-    root = Path(__file__).resolve().parents[2]  # `backends` importable wherever pytest was started
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=root)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == handle

@@ -5,14 +5,14 @@ import shutil
 
 import pytest
 
-from backends.deploy.repository import (MODELS, OPTIONAL_MODELS, SOURCE_DEPLOYMENT, SOURCE_OF, SOURCE_REPOSITORY,
-                                        Deployment, model_configs, render_config, render_repository)
+from backends.deploy.repository import (MODELS, SOURCE_DEPLOYMENT, SOURCE_OF, SOURCE_REPOSITORY, Deployment,
+                                        model_configs, render_config, render_repository)
 from backends.deploy.validate import validate_repository
 
 
 def test_committed_configs_are_the_rendered_cpu_default():
-    assert sorted(model_configs(SOURCE_DEPLOYMENT)) == sorted(MODELS + OPTIONAL_MODELS)
-    assert sorted(p.name for p in SOURCE_REPOSITORY.iterdir() if p.is_dir()) == sorted(MODELS + OPTIONAL_MODELS)
+    assert sorted(model_configs(SOURCE_DEPLOYMENT)) == sorted(MODELS)
+    assert sorted(p.name for p in SOURCE_REPOSITORY.iterdir() if p.is_dir()) == sorted(MODELS)
     for name, config in model_configs(SOURCE_DEPLOYMENT).items():
         committed = (SOURCE_REPOSITORY / name / "config.pbtxt").read_text()
         assert committed == render_config(config), f"{name}/config.pbtxt is stale: run `make configs`"
@@ -22,49 +22,22 @@ def test_committed_configs_are_the_rendered_cpu_default():
 
 
 @pytest.mark.parametrize("device", ["cpu", "gpu"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_rendered_repositories_validate(tmp_path, device, fused):
-    repo = render_repository(Deployment(device=device, fused=fused), tmp_path / device)
+def test_rendered_repositories_validate(tmp_path, device):
+    repo = render_repository(Deployment(device=device), tmp_path / device)
     assert validate_repository(repo) == []
-    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS + (OPTIONAL_MODELS if fused else ()))
-
-
-def test_the_fused_model_has_the_ensembles_contract_and_the_encoders_placement():
-    """Same inputs and outputs as the plain ensemble (a client switches by name alone); instances where
-    moonvit3d's are, one request at a time (no batch dimension), the encoder's graphs on a GPU. Its
-    pipeline off by default, and then no dynamic batcher (answered from execute, a request could wait in
-    one ~500 ms); with its pipeline, its lanes and a bounded queue as moonvit3d's, no batching window."""
-    for device in ("cpu", "gpu"):
-        configs = model_configs(Deployment(device=device, fused=True, encoder_instances=2))
-        fused, ensemble, encoder = configs["kimi_k25_vision_fused"], configs["kimi_k25_vision"], configs["moonvit3d"]
-        assert fused.input == ensemble.input and fused.output == ensemble.output
-        assert fused.max_batch_size == 0  # one request per execution, no batch dimension
-        assert fused.instance_group == encoder.instance_group
-        assert fused.parameters.get("cuda_graphs") == encoder.parameters.get("cuda_graphs")
-        assert (device == "gpu") == ("cuda_graphs" in fused.parameters)
-        # Its inputs are read on the host: a client's CUDA shared memory is copied out by the server.
-        assert fused.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "yes"
-        assert encoder.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == ("no" if device == "gpu" else "yes")
-        assert fused.parameters["pipeline"].string_value == "no" and not fused.HasField("dynamic_batching")
-        on = model_configs(Deployment(device=device, fused=True, fused_pipeline=True, fused_lanes=3))["kimi_k25_vision_fused"]
-        assert on.parameters["pipeline"].string_value == "yes" and on.parameters["encoder_lanes"].string_value == "3"
-        assert on.dynamic_batching.default_queue_policy.max_queue_size == Deployment().max_queue
-        assert on.dynamic_batching.max_queue_delay_microseconds == 0
-    for lanes in (0, 9):
-        with pytest.raises(ValueError, match="fused_lanes"):
-            Deployment(fused=True, fused_lanes=lanes)
+    assert sorted(p.name for p in repo.iterdir()) == sorted(MODELS)
 
 
 def test_gpu_deployment_differs_only_in_placement_and_dtypes():
-    cpu, gpu = model_configs(Deployment("cpu", fused=True)), model_configs(Deployment("gpu", fused=True))
-    for name in MODELS + OPTIONAL_MODELS:
+    cpu, gpu = model_configs(Deployment("cpu")), model_configs(Deployment("gpu"))
+    for name in MODELS:
         a, b = render_config(cpu[name]).splitlines(), render_config(gpu[name]).splitlines()
         changed = {x.strip() for x in set(a) ^ set(b)}
         allowed = {"data_type: TYPE_FP32", "data_type: TYPE_BF16", "kind: KIND_CPU", "kind: KIND_GPU",
                    'string_value: "yes"', 'string_value: "no"', "gpus: 0"}
         if name.startswith("kimi_preprocess"):  # 2 instances per GPU by default, 1 on CPU
             allowed |= {"count: 1", "count: 2"}
-        if name in ("moonvit3d", "kimi_k25_vision_fused"):  # GPU only: how many encoder CUDA graphs to keep
+        if name == "moonvit3d":  # GPU only: how many encoder CUDA graphs to keep
             allowed |= {'key: "cuda_graphs"', f'string_value: "{Deployment("gpu").cuda_graphs}"'}
         assert changed <= allowed, (name, changed - allowed)
     assert gpu["moonvit3d"].instance_group[0].kind == gpu["moonvit3d"].instance_group[0].KIND_GPU
@@ -138,14 +111,7 @@ def test_the_ensemble_runs_preprocessing_first_then_encoder_and_expansion_on_its
         assert steps[pre].output_map["IMAGE_TOKEN_COUNTS_FORWARD"] == "image_token_counts"
 
 
-def test_the_fused_models_answers_count_in_the_shared_memory_ceiling():
-    """Its IMAGE_EMBEDS reach a host-memory client through the stub's regions: one largest answer per
-    instance (BF16 on every GPU's instances, FP32 on CPU); a GPU deployment without it needs none."""
-    enc = Deployment().vision.encoder
-    rows = Deployment().limits.max_patches // enc.merge_tokens
-    gpu = dict(device="gpu", gpus=2, encoder_instances=2)
-    assert Deployment(**gpu).shm_ceiling_bytes() == 0
-    assert Deployment(**gpu, fused=True).shm_ceiling_bytes() == 2 * 2 * rows * enc.text_hidden_size * 2
-    cpu = Deployment(encoder_instances=2)
-    assert Deployment(encoder_instances=2, fused=True).shm_ceiling_bytes() - cpu.shm_ceiling_bytes() \
-        == 2 * rows * enc.text_hidden_size * 4
+def test_a_gpu_deployment_passes_nothing_between_steps_through_shared_memory():
+    """Tensors between steps stay on the GPU: the stubs' regions hold no pixels or embeddings there."""
+    assert Deployment(device="gpu", gpus=2, encoder_instances=2).shm_ceiling_bytes() == 0
+    assert Deployment().shm_ceiling_bytes() > 0

@@ -1,0 +1,22 @@
+"""lab/bench/results_page.py: a benchmark rewrites its own section of its machine's page, nothing else."""
+
+import pytest
+
+from lab.bench.results_page import replace_section, write_section
+
+
+def test_a_section_is_replaced_whole_and_the_others_stay(tmp_path):
+    page = write_section("cpu", "perf-sample", "first run", tmp_path)
+    assert page.name == "cpu.md"
+    write_section("cpu", "soak", "soak run", tmp_path)
+    write_section("cpu", "perf-sample", "second run", tmp_path)
+    text = page.read_text()
+    assert "second run" in text and "first run" not in text and "soak run" in text
+    assert text.index("perf-sample") < text.index("soak")  # a rewritten section keeps its place
+    assert text.count("<!-- section: perf-sample -->") == 1
+
+
+def test_section_names_cannot_break_the_markers():
+    with pytest.raises(ValueError, match="section name"):
+        replace_section("", "two words", "x")
+    assert "<!-- end: 8x448 -->" in replace_section("# page\n", "8x448", "body")
