@@ -11,27 +11,25 @@ from __future__ import annotations
 import argparse
 import functools
 import shutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
-                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PLACEHOLDER_BATCHED,
-                      PREPROCESS, PREPROCESS_BATCHED)
+from backends.checkpoint import load_config
+from backends.config import Limits, VisionConfig
+from backends.serving.settings import ModelSettings
+from backends import topology
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES,
+                      INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PREPROCESS)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
-# The batched ensemble: clients send [1, ...] tensors, and Triton's dynamic batcher hands moonvit3d
-# several requests at once, which run as one varlen forward. Its placeholder and preprocessing models
-# are batching twins (Triton requires every model of a batching ensemble to batch); the contract's
-# kimi_placeholder / kimi_preprocess keep taking tensors without a batch dimension. moonvit3d serves
-# both ensembles: its requests carry a batch dimension of 1 (see backends.serving).
-MODELS = (PLACEHOLDER, PREPROCESS, ENCODER, ENSEMBLE, PLACEHOLDER_BATCHED, PREPROCESS_BATCHED, BATCHED_ENSEMBLE)
-# A twin runs its base model's code: `write_source_configs` copies the base's version folder.
-SOURCE_OF = {PLACEHOLDER_BATCHED: PLACEHOLDER, PREPROCESS_BATCHED: PREPROCESS, BATCHED_ENSEMBLE: ENSEMBLE}
+# Every model the repository holds (backends/topology.py), and whose version folder each twin copies:
+# a batching twin runs its base model's model.py; the batched ensemble's folder holds what the plain one's does.
+MODELS = topology.MODELS
+SOURCE_OF = {**topology.TWINS, BATCHED_ENSEMBLE: ENSEMBLE}
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,7 @@ class Deployment:
     @functools.cached_property
     def vision(self) -> VisionConfig:
         """The checkpoint's config, read once; rendered into every model's parameters."""
-        return load_checkpoint_config(self.checkpoint) if self.checkpoint else DEMO_CONFIG
+        return load_config(self.checkpoint)
 
     @property
     def float_type(self) -> str:
@@ -141,12 +139,11 @@ MEDIA_FRAMES_SPEC = _tensor(MEDIA_FRAMES, "TYPE_INT64", [-1], optional=True)
 
 def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, count: int, max_batch: int) -> dict:
     """One Python-backend model; `count` instances (per GPU for KIND_GPU)."""
+    # The encoder keeps CUDA graphs on a GPU (backends/encoder/graphs.py).
+    graphs = dep.cuda_graphs if name == ENCODER and dep.device == "gpu" else 0
     params = {
-        "checkpoint": dep.checkpoint,
-        **{f.name: str(getattr(dep.limits, f.name)) for f in fields(Limits)},
-        # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
-        "vision_config": dep.vision.to_json(),
-        # GPU instances take their inputs where the previous step left them (no host round-trip).
+        **ModelSettings(checkpoint=dep.checkpoint, limits=dep.limits, cuda_graphs=graphs, vision=dep.vision).parameters(),
+        # Triton's own: GPU instances take their inputs where the previous step left them (no host round-trip).
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
     }
     return {
@@ -160,86 +157,72 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
     }
 
 
-def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
-    """name -> ModelConfig for every model of one deployment."""
+def _io(dep: Deployment) -> dict[str, tuple[list, list]]:
+    """Each step's inputs and outputs, and the contract's (the ensembles'), for `dep`'s dtypes and sizes."""
     p = dep.vision.encoder.patch_size
     hidden = dep.vision.encoder.text_hidden_size
     fp = dep.float_type
     counts, grids = IMAGE_TOKEN_COUNTS, GRID_THWS
-    placeholder_io = (
-        # IMAGES or IMAGE_TOKEN_COUNTS: the ensemble sends the counts kimi_preprocess found; a direct
-        # caller may send the images instead (their headers are read).
-        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1], optional=True), MEDIA_FRAMES_SPEC,
-         _tensor(counts, "TYPE_INT64", [-1], optional=True)],
-        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1])],
-    )
-    preprocess_io = (
-        [_tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC,
-         # Optional: the prompt, checked for the 1:1 rule before any image is read (the ensemble sends it).
-         _tensor(INPUT_IDS, "TYPE_INT64", [-1], optional=True),
-         # Optional: counts a direct caller already has, cross-checked.
-         _tensor(counts, "TYPE_INT64", [-1], optional=True)],
-        [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
-         _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3]), _tensor(counts, "TYPE_INT64", [-1]),
-         _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
-    )
+    return {
+        PLACEHOLDER: (
+            # IMAGES or IMAGE_TOKEN_COUNTS: the ensemble sends the counts kimi_preprocess found; a direct
+            # caller may send the images instead (their headers are read).
+            [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1], optional=True),
+             MEDIA_FRAMES_SPEC, _tensor(counts, "TYPE_INT64", [-1], optional=True)],
+            [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(counts, "TYPE_INT64", [-1])],
+        ),
+        PREPROCESS: (
+            [_tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC,
+             # Optional: the prompt, checked for the 1:1 rule before any image is read (the ensemble sends it).
+             _tensor(INPUT_IDS, "TYPE_INT64", [-1], optional=True),
+             # Optional: counts a direct caller already has, cross-checked.
+             _tensor(counts, "TYPE_INT64", [-1], optional=True)],
+            [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
+             _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3]), _tensor(counts, "TYPE_INT64", [-1]),
+             _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
+        ),
+        ENCODER: (
+            [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3])],
+            [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
+        ),
+        "contract": (
+            [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
+            [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
+             _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
+        ),
+    }
+
+
+def _placement(dep: Deployment, base: str) -> tuple[str, int]:
+    """(instance kind, instances) of a step: the id expansion is host arithmetic (one CPU instance);
+    preprocessing and the encoder run where the deployment computes."""
+    if base == PLACEHOLDER:
+        return "KIND_CPU", 1
+    return dep.kind, dep.preprocess_instances if base == PREPROCESS else dep.encoder_instances
+
+
+def model_configs(dep: Deployment) -> dict[str, mc.ModelConfig]:
+    """name -> ModelConfig for every model of one deployment (backends/topology.py names them)."""
+    io = _io(dep)
     dicts = {}
-    for name, batch in ((PLACEHOLDER, 0), (PLACEHOLDER_BATCHED, dep.max_batch)):
-        # id arithmetic and header reads: no GPU work
-        dicts[name] = _python_model(dep, name, *placeholder_io, kind="KIND_CPU", count=1, max_batch=batch)
-    for name, batch in ((PREPROCESS, 0), (PREPROCESS_BATCHED, dep.max_batch)):
-        dicts[name] = _python_model(dep, name, *preprocess_io, kind=dep.kind, count=dep.preprocess_instances,
-                                    max_batch=batch)
-    # The service's contract: the ensembles' inputs and outputs.
-    contract_io = (
-        [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
-        [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
-         _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
-    )
-    dicts[ENCODER] = _python_model(
-        dep, ENCODER,
-        [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3])],
-        [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
-        kind=dep.kind, count=dep.encoder_instances, max_batch=dep.max_batch,
-    )
-    # The encoder: its graphs on a GPU, and a dynamic batcher for its batching window and its bounded
-    # queue. The queue is bounded so that the CUDA pool (sized from it) can never run short under load:
-    # an overloaded server refuses requests ("Exceeds maximum queue size") instead of computing on zeros.
-    if dep.device == "gpu":
-        dicts[ENCODER]["parameters"]["cuda_graphs"] = {"string_value": str(dep.cuda_graphs)}
+    for name in topology.PYTHON_MODELS:
+        base = topology.base_model(name)
+        kind, count = _placement(dep, base)
+        dicts[name] = _python_model(dep, name, *io[base], kind=kind, count=count,
+                                    max_batch=dep.max_batch if topology.batching(name) else 0)
+    # The encoder's dynamic batcher: its batching window and its bounded queue. The queue is bounded so
+    # that the CUDA pool (sized from it) can never run short under load: an overloaded server refuses
+    # requests ("Exceeds maximum queue size") instead of computing on zeros.
     dicts[ENCODER]["dynamic_batching"] = {"max_queue_delay_microseconds": dep.batch_delay_us,
                                           "default_queue_policy": {"max_queue_size": dep.max_queue}}
-
-    def steps(placeholder: str, preprocess: str) -> list[dict]:
-        # Preprocessing first: it checks the prompt's 1:1 rule before reading any image, so a bad request
-        # fails there alone. Then the encoder and the id expansion side by side: the expansion only
-        # multiplies placeholders by counts already checked, so it cannot fail with the encoder
-        # (tritonserver 2.51 never answers a request whose parallel steps both fail).
-        # No ensemble output feeds a later step: a step that needs one reads its _FORWARD copy (an
-        # internal tensor in lower case). With that, every subset of the outputs can be requested
-        # (Triton prunes the steps nothing requested; validate.check_ensemble enforces the rule).
-        return [
-            {"model_name": preprocess, "model_version": -1,
-             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, INPUT_IDS: INPUT_IDS},
-             "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws",
-                            counts: counts, counts + FORWARD_SUFFIX: "image_token_counts"}},
-            {"model_name": ENCODER, "model_version": -1,
-             "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws"},
-             "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS}},
-            {"model_name": placeholder, "model_version": -1,
-             "input_map": {INPUT_IDS: INPUT_IDS, counts: "image_token_counts"},
-             "output_map": {EXPANDED_IDS: EXPANDED_IDS}},
-        ]
-
-    for name, batch, parts in ((ENSEMBLE, 0, (PLACEHOLDER, PREPROCESS)),
-                               (BATCHED_ENSEMBLE, dep.max_batch, (PLACEHOLDER_BATCHED, PREPROCESS_BATCHED))):
-        dicts[name] = {
-            "name": name,
+    for ensemble in topology.ENSEMBLES:
+        dicts[ensemble.name] = {
+            "name": ensemble.name,
             "platform": "ensemble",
-            "max_batch_size": batch,
-            "input": contract_io[0],
-            "output": contract_io[1],
-            "ensemble_scheduling": {"step": steps(*parts)},
+            "max_batch_size": dep.max_batch if ensemble.batched else 0,
+            "input": io["contract"][0],
+            "output": io["contract"][1],
+            "ensemble_scheduling": {"step": ensemble.steps()},
         }
     return {name: json_format.ParseDict(d, mc.ModelConfig()) for name, d in dicts.items()}
 

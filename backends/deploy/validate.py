@@ -20,6 +20,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from backends import topology
 from backends.config import Limits
 
 
@@ -149,8 +150,19 @@ def check_ensemble(name: str, ens: mc.ModelConfig, configs: dict[str, mc.ModelCo
 
 
 def validate_repository(repo: Path) -> list[str]:
-    """All problems found, as sentences; an empty list means the repository is consistent."""
+    """All problems found, as sentences; an empty list means the repository is consistent and holds
+    exactly the models of the serving topology (backends/topology.py)."""
     configs, problems = load_configs(Path(repo))
+    missing, extra = sorted(set(topology.MODELS) - set(configs)), sorted(set(configs) - set(topology.MODELS))
+    if missing:
+        problems.append(f"the repository lacks {', '.join(missing)} (backends/topology.py declares them)")
+    if extra:
+        problems.append(f"the repository holds {', '.join(extra)}, which backends/topology.py does not declare")
+    for name in topology.PYTHON_MODELS:
+        config = configs.get(name)
+        if config is not None and (config.max_batch_size > 0) != topology.batching(name):
+            problems.append(f"{name}: max_batch_size {config.max_batch_size}, but it "
+                            f"{'batches' if topology.batching(name) else 'takes no batch dimension'} in the topology")
     ensembles = [n for n, c in configs.items() if c.platform == "ensemble"]
     if not ensembles:
         problems.append("no ensemble in the repository")

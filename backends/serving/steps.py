@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from backends.config import DEMO_CONFIG, Limits, VisionConfig, load_checkpoint_config
+from backends.config import Limits, VisionConfig
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
@@ -42,29 +42,6 @@ def throttled(ask, every_s: float, clock=time.monotonic):
         return bool(ask())
 
     return check
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """Settings every model reads from its config.pbtxt `parameters` (rendered by backends.deploy)."""
-
-    checkpoint: str = ""
-    device: str = "cpu"
-    limits: Limits = Limits()
-    cuda_graphs: int = 0  # encoder graphs to keep (backends.encoder.graphs); 0 = eager
-    vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON in the config
-
-    @classmethod
-    def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
-        base = Limits()
-        limits = Limits(**{f.name: int(params.get(f.name, getattr(base, f.name))) for f in fields(Limits)})
-        checkpoint = params.get("checkpoint", "")
-        if params.get("vision_config"):  # what backends/deploy renders: resolved once, for every instance
-            vision = VisionConfig.from_json(params["vision_config"])
-        else:  # a repository written by hand: the checkpoint's own config, never the demo's for a checkpoint
-            vision = load_checkpoint_config(checkpoint) if checkpoint else DEMO_CONFIG
-        return cls(checkpoint=checkpoint, device=device, limits=limits,
-                   cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
 
 
 def check_prompt(input_ids, cfg: VisionConfig, num_media: int, media_frames=None) -> np.ndarray:

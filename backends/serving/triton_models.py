@@ -22,8 +22,8 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends.errors import RequestCancelled, RequestError
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
-from backends.serving.steps import (EncoderRequest, EncoderStep, ModelSettings, PlaceholderStep, PreprocessStep,
-                                    throttled)
+from backends.serving.settings import ModelSettings
+from backends.serving.steps import EncoderRequest, EncoderStep, PlaceholderStep, PreprocessStep, throttled
 from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
                       PIXEL_VALUES)
 
@@ -259,7 +259,7 @@ class PreprocessModel(_Adapter):
 
 
 def _load_encoder(settings: ModelSettings, config: dict):
-    from backends.weights.load import load_model
+    from backends.checkpoint import load_model
 
     model, _ = load_model(settings.checkpoint, settings.device, dtype=_out_dtype(config, IMAGE_EMBEDS),
                           config=settings.vision)

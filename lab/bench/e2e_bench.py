@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.config import load_checkpoint_config
+from backends.checkpoint import load_config
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
 from lab.bench.cases import CASES, case_jpegs
@@ -83,7 +83,7 @@ class Reference:
 
         from oracles.transformers_kimi import hf_config_from, load_checkpoint_into_hf
 
-        cfg = load_checkpoint_config(checkpoint)
+        cfg = load_config(checkpoint)
         self.media, self.device, self.dtype = cfg.media, torch.device(device), dtype
         torch.manual_seed(0)
         model = kimi_k25.Kimi_K25Model(hf_config_from(cfg.encoder, attn="sdpa")).eval()

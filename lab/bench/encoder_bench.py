@@ -42,7 +42,7 @@ def encoder_flops(cfg: EncoderConfig, grids) -> float:
 
 def ours_from_hf(model, device, dtype):
     """Our model with transformers' in-memory weights (names and RoPE permutation converted by our loader)."""
-    from backends.weights.checkpoint import build_model, check_tensors, expected_shapes, to_canonical
+    from backends.checkpoint.weights import build_model, check_tensors, expected_shapes, to_canonical
 
     state = {k: v for k, v in model.state_dict().items() if k.startswith(("vision_tower.", "mm_projector."))}
     canon, source = to_canonical(state, REAL.num_heads)

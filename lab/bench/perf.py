@@ -401,7 +401,7 @@ def encoder_alone_line(dep: Deployment, images: list[bytes], clocks=None, second
 
     import torch
 
-    from backends.weights.load import load_model
+    from backends.checkpoint import load_model
     from lab.bench.gpu_timing import back_to_back, timed
 
     model, cfg = load_model(dep.checkpoint, "cuda", torch.bfloat16)

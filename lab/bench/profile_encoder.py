@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from backends.config import EncoderConfig
 from backends.encoder.moonvit3d import KimiVisionModel
-from backends.weights.seeded import init_random_
+from backends.checkpoint.seeded import init_random_
 from lab.bench.encoder_bench import CASES
 from lab.bench.gpu_timing import machine_line
 

@@ -12,7 +12,7 @@ from backends.config import DEMO_CONFIG
 from backends.deploy.repository import Deployment, model_configs
 from contract import ENSEMBLE
 from backends.preprocess import Preprocessor
-from backends.weights.seeded import seeded_model
+from backends.checkpoint.seeded import seeded_model
 from lab.bench.perf import output_byte_sizes, request_images
 from clients.kimi_client import chat_prompt_ids
 

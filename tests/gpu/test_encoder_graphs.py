@@ -7,7 +7,7 @@ import torch
 
 from backends.config import EncoderConfig
 from backends.encoder.graphs import GraphedEncoder
-from backends.weights.seeded import seeded_model
+from backends.checkpoint.seeded import seeded_model
 
 DEV = "cuda"
 # Real width and heads (the fused RoPE and attention kernels at their real shapes), fewer layers.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends.encoder.attention import available_backends
-from backends.weights.checkpoint import load_vision_model
+from backends.checkpoint.weights import load_vision_model
 from oracles.transformers_kimi import hf_config, hf_image_features, hf_model, rel_err
 
 DEV = "cuda"

@@ -11,7 +11,7 @@ from backends.config import DEMO_CONFIG
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import TritonServer, deployment_server
 from backends.preprocess import Preprocessor
-from backends.weights.seeded import seeded_model
+from backends.checkpoint.seeded import seeded_model
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 

@@ -8,7 +8,7 @@ from backends.config import EncoderConfig
 from backends.deploy.repository import Deployment
 from backends.deploy.launcher import deployment_server
 from backends.preprocess import Preprocessor
-from backends.weights.checkpoint import load_vision_model
+from backends.checkpoint.weights import load_vision_model
 from oracles.random_checkpoint import write_checkpoint
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card

@@ -11,7 +11,7 @@ from backends.config import DEMO_CONFIG
 from backends.deploy.supervisor import scrape_text
 from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
-from backends.weights.seeded import seeded_model
+from backends.checkpoint.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
 from server_state import counts, eventually, inference_count, settled

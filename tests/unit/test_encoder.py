@@ -9,7 +9,7 @@ from backends.encoder.metadata import build_metadata, rope_angles_table
 from backends.encoder.moonvit3d import KimiVisionModel, tpool_patch_merge
 from backends.errors import RequestError
 from backends.serving.steps import EncoderRequest, EncoderStep
-from backends.weights.seeded import seeded_model
+from backends.checkpoint.seeded import seeded_model
 
 CFG = DEMO_CONFIG.encoder
 

@@ -22,7 +22,7 @@ import transformers.models.kimi_k25 as kimi  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
 
-from backends.weights.checkpoint import load_vision_model, unpermute_rope_rows  # noqa: E402
+from backends.checkpoint.weights import load_vision_model, unpermute_rope_rows  # noqa: E402
 from backends.config import EncoderConfig  # noqa: E402
 from oracles.random_checkpoint import write_checkpoint  # noqa: E402
 from oracles import transformers_kimi as hf_oracle  # noqa: E402

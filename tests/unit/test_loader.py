@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import backends.weights.checkpoint as loader
+import backends.checkpoint.weights as loader
 from backends.config import EncoderConfig
-from backends.weights.seeded import init_random_
+from backends.checkpoint.seeded import init_random_
 from backends.encoder.moonvit3d import KimiVisionModel
 
 # Non-square pos-emb (6 high, 8 wide) so a height/width swap in config parsing fails the shape check.
@@ -212,7 +212,7 @@ def test_model_settings_without_rendered_config_read_the_checkpoint(tmp_path):
     """A model repository written by hand (no vision_config parameter) serves the checkpoint's own
     config, never the demo's: here a different placeholder id and hidden size."""
     from backends.config import DEMO_CONFIG
-    from backends.serving.steps import ModelSettings
+    from backends.serving.settings import ModelSettings
 
     (tmp_path / "config.json").write_text(json.dumps(original_config(media_pad=170000)))
     got = ModelSettings.from_parameters({"checkpoint": str(tmp_path)}).vision

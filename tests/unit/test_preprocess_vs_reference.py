@@ -16,9 +16,8 @@ from PIL import Image
 from backends.config import Limits, MediaConfig
 from backends.errors import RequestError
 from backends.preprocess import Preprocessor
-from backends.preprocess.resize_rule import navit_resize
 from clients.samples import encode, photo_like, text_card
-from oracles.checkpoint_processor import reference_pixels
+from oracles.checkpoint_processor import navit_size, reference_pixels
 
 MEDIA = MediaConfig()
 
@@ -105,12 +104,13 @@ def reference_video_chunk(blobs, media: MediaConfig = MEDIA):
     """Reference chunk processing (docs/kimi_k25.md#video-chunks): plan from the first frame with the per-frame patch
     limit, resize every frame to that size, pad, normalize, patchify t-major."""
     frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
-    plan = navit_resize(frames[0].width, frames[0].height, media, patch_limit=media.in_patch_limit_each_frame)
+    new_w, new_h, pad_w, pad_h = navit_size(frames[0].width, frames[0].height, media,
+                                            patch_limit=media.in_patch_limit_each_frame)
     arrs = []
     for img in frames:
-        if img.size != (plan.width, plan.height):
-            img = img.resize((plan.width, plan.height), resample=Image.Resampling.BICUBIC)
-        arrs.append(np.pad(np.asarray(img), ((0, plan.pad_height), (0, plan.pad_width), (0, 0))))
+        if img.size != (new_w, new_h):
+            img = img.resize((new_w, new_h), resample=Image.Resampling.BICUBIC)
+        arrs.append(np.pad(np.asarray(img), ((0, pad_h), (0, pad_w), (0, 0))))
     x = (np.stack(arrs) / 255.0).astype(np.float32)
     x -= np.asarray(media.image_mean)
     x *= 1.0 / np.asarray(media.image_std)

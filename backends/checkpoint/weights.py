@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backends.config import EncoderConfig, VisionConfig, load_checkpoint_config
+from backends.checkpoint.config import load_config
+from backends.config import EncoderConfig, VisionConfig
 from backends.encoder.moonvit3d import KimiVisionModel, PosEmbDivided, sincos_time_table
 
 logger = logging.getLogger(__name__)
@@ -388,7 +389,7 @@ def load_vision_model(checkpoint_dir: str | Path, device: str | torch.device = "
     config if the caller has it already (a served model reads it from its model config). Raises
     ValueError naming the tensor and both shapes on any missing / unexpected / mis-shaped tensor.
     """
-    cfg = config or load_checkpoint_config(checkpoint_dir)
+    cfg = config or load_config(checkpoint_dir)
     check_placeholder_id(checkpoint_dir, cfg.tokens.media_pad)
     stored, _ = read_vision_tensors(checkpoint_dir)
     state, source = to_canonical(stored, cfg.encoder.num_heads)

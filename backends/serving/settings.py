@@ -1,0 +1,41 @@
+"""The settings a model instance reads from its config.pbtxt `parameters`: written by the renderer
+(backends/deploy/repository.py, `ModelSettings.parameters`) and read back by each adapter in `initialize`
+(`ModelSettings.from_parameters`), so that the two sides cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from backends.checkpoint import load_config
+from backends.config import DEMO_CONFIG, Limits, VisionConfig
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    checkpoint: str = ""  # empty: the embedded demo model
+    device: str = "cpu"  # where this instance computes: "cpu" or "cuda:<id>" (from Triton, not the parameters)
+    limits: Limits = Limits()
+    cuda_graphs: int = 0  # encoder graphs to keep (backends/encoder/graphs.py); 0 = eager
+    vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON
+
+    def parameters(self) -> dict[str, str]:
+        """The model-config parameters that carry these settings (string values, as Triton keeps them)."""
+        params = {"checkpoint": self.checkpoint,
+                  **{f.name: str(getattr(self.limits, f.name)) for f in fields(Limits)},
+                  # The resolved VisionConfig: instances read it here instead of parsing the checkpoint's files.
+                  "vision_config": self.vision.to_json()}
+        if self.cuda_graphs:
+            params["cuda_graphs"] = str(self.cuda_graphs)
+        return params
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
+        base = Limits()
+        limits = Limits(**{f.name: int(params.get(f.name, getattr(base, f.name))) for f in fields(Limits)})
+        checkpoint = params.get("checkpoint", "")
+        # What the renderer writes; a repository written by hand falls back to the checkpoint's own config
+        # (never the demo's for a checkpoint).
+        vision = VisionConfig.from_json(params["vision_config"]) if params.get("vision_config") else load_config(checkpoint)
+        return cls(checkpoint=checkpoint, device=device, limits=limits,
+                   cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
