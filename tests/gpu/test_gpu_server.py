@@ -1,8 +1,6 @@
 """The GPU deployment on a real tritonserver: tensors stay on the GPU between steps, results equal the
 in-process GPU pipeline, CUDA shared memory works, and the placement check catches a too-small pool."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import pytest
 import torch
@@ -24,9 +22,8 @@ def placement_problems(server: TritonServer) -> list[str]:
     return [line for line in server.log_tail(10**7).splitlines() if any(p in line for p in PLACEMENT_FAILURES)]
 
 
-def start(name: str, pool: int | None = None, fused: bool = False) -> TritonServer:
-    # every visible GPU, a pool on each; the fused model with its pipeline and two encoder lanes (opt-in)
-    dep = Deployment(device="gpu", gpus=torch.cuda.device_count(), fused=fused, fused_pipeline=fused)
+def start(name: str, pool: int | None = None) -> TritonServer:
+    dep = Deployment(device="gpu", gpus=torch.cuda.device_count())  # every visible GPU, a pool on each
     return deployment_server(dep, name, cuda_pools={g: pool for g in range(dep.gpus)} if pool else dep.cuda_pools()).start()
 
 
@@ -43,7 +40,7 @@ def in_process(blobs):
 
 @pytest.fixture(scope="module")
 def gpu_server():
-    server = start("gpu-test", fused=True)
+    server = start("gpu-test")
     yield server
     server.stop()
 
@@ -72,7 +69,7 @@ def test_cuda_shared_memory_output(gpu_server):
 
 def test_one_registered_cuda_region_serves_several_requests(gpu_server):
     """Embeddings into one registered CUDA region, the images in the request body or in one registered
-    host region (ImagesRegion, what stage_bench's leaner end to end uses): the same values either way."""
+    host region (ImagesRegion): the same values either way."""
     from clients.kimi_client import CudaOutputRegion, ImagesRegion
 
     client = KimiVisionClient(gpu_server.grpc_url)
@@ -88,44 +85,25 @@ def test_one_registered_cuda_region_serves_several_requests(gpu_server):
         client.close()
 
 
-def _fused_once(server, ids, blobs):
-    client = KimiVisionClient(server.grpc_url, model="kimi_k25_vision_fused")
-    try:
-        return client.infer(ids, blobs)
-    finally:
-        client.close()
-
-
-def test_the_fused_model_gives_the_ensembles_bits_on_the_gpu(gpu_server):
-    """kimi_k25_vision_fused runs the same kernels in one process: the same bits as the ensemble, one
-    request at a time, call for call. The three images (18,756 patches, the 3000x2000 JPEG on the GPU
-    decoder) run eagerly on both sides, above the encoder's CUDA-graph limit of 16,384 patches. Two small
-    images that no other test sends (a JPEG on the GPU decoder and a PNG) go six times through each, so
-    that both would capture and replay a graph, and the fused model's two encoder lanes each theirs; this
-    test does not observe that they did (that the fused model's GPU config keeps graphs is
-    tests/unit/test_repository_configs.py's to check). Then eight at once, so that the lanes' replays run
-    side by side. And into a CUDA shared-memory region too."""
+def test_graph_replays_give_the_eager_bits_on_a_served_gpu(gpu_server):
+    """moonvit3d captures a CUDA graph on a grid list's second sighting and replays it after: the same
+    bits every time, through either ensemble. Two small images that no other test sends (a JPEG on the
+    GPU decoder and a PNG) go six times through each; the three large images (18,756 patches, above the
+    graphs' 16,384-patch bound) stay eager and must agree too."""
     small = [encode(photo_like(336, 252, seed=11), "JPEG", quality=85), encode(photo_like(196, 140, seed=12), "PNG")]
-    ensemble = KimiVisionClient(gpu_server.grpc_url)
-    fused = KimiVisionClient(gpu_server.grpc_url, model="kimi_k25_vision_fused")
+    plain, batched = KimiVisionClient(gpu_server.grpc_url), KimiVisionClient(gpu_server.grpc_url, batched=True)
     try:
         for blobs in (images(), small):
             ids = chat_prompt_ids(len(blobs))
+            first = plain.infer(ids, blobs)
             for _ in range(6):
-                a, b = ensemble.infer(ids, blobs), fused.infer(ids, blobs)
-                np.testing.assert_array_equal(b.image_embeds, a.image_embeds)
-                assert b.expanded_ids.tolist() == a.expanded_ids.tolist()
-                assert b.grid_thws.tolist() == a.grid_thws.tolist()
-        with ThreadPoolExecutor(8) as pool:
-            burst = list(pool.map(lambda _: _fused_once(gpu_server, ids, blobs), range(8)))
-        for r in burst:
-            np.testing.assert_array_equal(r.image_embeds, a.image_embeds)
-        shm = fused.infer(ids, blobs, shm="cuda")
-        assert shm.cuda_embeds.is_cuda and shm.cuda_embeds.dtype == torch.bfloat16
-        np.testing.assert_array_equal(shm.image_embeds, a.image_embeds)
+                for client in (plain, batched):
+                    r = client.infer(ids, blobs)
+                    np.testing.assert_array_equal(r.image_embeds, first.image_embeds)
+                    assert r.expanded_ids.tolist() == first.expanded_ids.tolist()
     finally:
-        ensemble.close()
-        fused.close()
+        plain.close()
+        batched.close()
     assert placement_problems(gpu_server) == []
 
 
