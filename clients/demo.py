@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"run-{device}")
     with server:
-        print(f"ready in {time.monotonic() - t0:.1f}s (log: {server.log_path})")
+        print(f"ready in {time.monotonic() - t0:.1f}s (log: {os.path.relpath(server.log_path)})")
         images = sample_images()
         ids = chat_prompt_ids(len(images))
         client = KimiVisionClient(server.grpc_url, protocol="grpc")

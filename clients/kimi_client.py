@@ -351,7 +351,7 @@ class ImagesRegion:
     the server once (same host) and rewritten by each request: the image bytes then travel by one copy
     into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
     less end to end for one 1.3 MB JPEG; for smaller requests the gain was within the run-to-run spread;
-    bench/results/h200-2026-12-02-thirteenth.md).
+    docs/findings.md#images-through-shared-memory).
 
     One request at a time per region (the server reads it during the request; `infer` and `infer_into`
     return after the server is done with it). A request larger than the region replaces it with one

@@ -2,7 +2,7 @@
 
 Reads both the original config names (`vt_*`, `media_placeholder_token_id`) and what transformers
 writes (`vision_config.hidden_size`, `image_token_id`, `text_config.hidden_size`), and the optional
-`preprocessor_config.json` (`media_proc_cfg`: resize limits, mean/std); docs/kimi_k25.md#checkpoint-config.
+`preprocessor_config.json` (`media_proc_cfg`: resize limits, mean/std); docs/kimi_k25.md#vision-config-values.
 """
 
 from __future__ import annotations

@@ -255,7 +255,7 @@ class TritonServer:
 
     def __init__(self, repository: Path, *, ports: Ports = Ports(), log_path: Path | None = None,
                  cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
-                 install: TritonInstall | None = None, allow_numpy2: bool = False, address: str = "127.0.0.1",
+                 install: TritonInstall | None = None, address: str = "127.0.0.1",
                  metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None,
                  trace_file: Path | None = None):
         self.repository = Path(repository).resolve()
@@ -265,7 +265,6 @@ class TritonServer:
         self.cuda_pools = dict(cuda_pools or {})
         self.extra_args = extra_args
         self._install = install
-        self.allow_numpy2 = allow_numpy2
         self.address = address
         self.metrics_port = metrics_port or ports.metrics
         self.admin_key = admin_key
@@ -303,7 +302,7 @@ class TritonServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.trace_file is not None:  # tritonserver writes traces with no word if the folder is missing
             self.trace_file.parent.mkdir(parents=True, exist_ok=True)
-        env = server_env(self.install, stub_bin(STUB_ENV, allow_numpy2=self.allow_numpy2), self.env)
+        env = server_env(self.install, stub_bin(STUB_ENV), self.env)
         self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
         if stream_log:
             self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)

@@ -3,8 +3,7 @@
 Each Triton Python model instance is its own process with its own CUDA context, and without MPS the
 GPU runs one context's kernels at a time: the preprocessing instances' kernels and the encoder's take
 turns. Under MPS (the Multi-Process Service) the processes' kernels share the GPU, and two encoder
-instances can keep it busier than one forward at a time does (README, Scale out; the measurements are
-in bench/results/h200-2026-12-01-seventh.md).
+instances can keep it busier than one forward at a time does (docs/findings.md#cuda-mps has the figures).
 
 `start(folder_for(tag))` runs `nvidia-cuda-mps-control -d` with its pipe and log folders under that
 folder; every CUDA process that carries `Daemon.env()` (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) in its
@@ -103,8 +102,8 @@ def _pids_on(pipe_dir: Path, proc: Path, mps_processes: bool) -> list[int]:
 
 def daemon_pids(pipe_dir: Path, proc: Path = Path("/proc")) -> list[int]:
     """The MPS control daemon and server that run on `pipe_dir`, told from other daemons by that folder in
-    their environment (the daemon gets it from us and hands it to its server: seen on the H200,
-    bench/results/h200-2026-12-01-eighth.md, call 2)."""
+    their environment (the daemon gets it from us and hands it to its server: seen on the H200;
+    docs/triton_runtime.md#cuda-mps)."""
     return _pids_on(pipe_dir, proc, True)
 
 

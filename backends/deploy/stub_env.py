@@ -80,10 +80,8 @@ def check_stub_numpy(version: str) -> None:
             f"folder holding numpy<2 in KIMI_STUB_SITE (pip install --target DIR 'numpy<2').")
 
 
-def stub_bin(root: Path, *, allow_numpy2: bool = False) -> Path:
-    """The stub env's bin/ for the server's PATH, checked. `allow_numpy2` exists only for
-    tools/stub_probe.py, which shows what goes wrong without the check."""
+def stub_bin(root: Path) -> Path:
+    """The stub env's bin/ for the server's PATH, checked (docs/triton_runtime.md#the-python-stub-and-numpy-2)."""
     bin_dir = prepare_stub_env(root)
-    if not allow_numpy2:
-        check_stub_numpy(stub_numpy_version(bin_dir))
+    check_stub_numpy(stub_numpy_version(bin_dir))
     return bin_dir

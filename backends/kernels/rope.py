@@ -128,9 +128,9 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
                        max_chunks: int = 3, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1).
 
-    Defaults from the H200 sweep in bench/encoder_bench.py (27 x 12544 tokens x 16 x 72, kernels timed
-    as a CUDA graph): 4 tokens per program, 3 chunks of 64 pairs looped per program, 2 warps: 0.908 ms,
-    1.18x the HBM floor (16 tokens, 4 warps: 3.51x); bench/results/h200-2026-11-30.md.
+    Defaults from an H200 sweep (27 x 12544 tokens x 16 x 72, kernels timed as a CUDA graph): 4 tokens
+    per program, 3 chunks of 64 pairs looped per program, 2 warps: 0.908 ms, 1.18x the HBM floor (16
+    tokens, 4 warps: 3.51x); docs/encoder.md#fused-rope. lab/bench/encoder_bench.py measures it again.
 
     How torch's complex64 multiply rounds depends on the device: CUDA's complex<float> operator* is
     contracted into FMAs (checked on an H200 with torch 2.11: 0 mismatches in 1.2M values, 59 for

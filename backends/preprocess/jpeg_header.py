@@ -2,8 +2,8 @@
 
 Why: a request's images are opened before anything else (size for the plan, the fields that route a
 JPEG to the GPU), and Pillow's JPEG header parse is Python that reads a byte or two per call. For eight
-448^2 photos it took 0.465 ms on the GPU machine, this walk over the same bytes 0.117 ms
-(bench/results/h200-2026-12-02-eleventh.md, call 4), of a preprocessing that takes about 2 ms there.
+448^2 photos it took 0.465 ms on the GPU machine, this walk over the same bytes 0.117 ms, of a
+preprocessing that takes about 2 ms there (docs/findings.md#jpeg-headers-without-pillow).
 
 The promise this module keeps: when `read` returns a header, Pillow's `Image.open` of the same bytes
 succeeds and reports the same format, size, mode, bit depth, layers and the `info` fields the GPU route

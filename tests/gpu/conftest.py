@@ -1,4 +1,4 @@
-"""GPU tests: run on the GPU machine (tools/gpu_session.sh), skipped cleanly elsewhere."""
+"""GPU tests: run on the GPU machine (bash lab/gpu.sh tests), skipped cleanly elsewhere."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run tools/gpu_session.sh on the GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (bash lab/gpu.sh tests on the GPU machine)")
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)

@@ -11,6 +11,7 @@ from clients.samples import encode, photo_like
 from clients.tracing import Tracer, TraceError, numbered, spans
 from contract import ENCODER, ENSEMBLE, PLACEHOLDER, PREPROCESS
 
+PATH = [PREPROCESS, ENCODER]  # the steps one request runs one after another (kimi_placeholder runs beside ENCODER)
 BLOBS = [encode(photo_like(96, 64, seed=5), "JPEG", quality=90), encode(photo_like(70, 50, seed=6), "PNG")]
 
 

@@ -1,7 +1,7 @@
 """The server's own CUDA MPS daemon (backends/deploy/mps.py) and the launcher's --mps. A small script stands
 in for nvidia-cuda-mps-control: it records how it was called (arguments, the pipe and log folders in its
 environment, what came on stdin), which is all our code decides. The daemon itself runs on the GPU
-machine (tools/gpu_session.sh launcher and mps)."""
+machine (docs/triton_runtime.md#cuda-mps)."""
 
 import os
 import stat
