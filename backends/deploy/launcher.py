@@ -24,7 +24,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -36,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.config import env_flag, env_int
-from backends.deploy import mps
+from backends.deploy import mps, ports as port_check
+from backends.deploy.ports import free_ports
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
@@ -59,19 +59,6 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "gpu" if gpu_count() > 0 else "cpu"
     return device
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free now. The sockets stay bound until all are chosen: one at a time,
-    the kernel could hand out the same port twice."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @dataclass(frozen=True)
@@ -505,6 +492,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    taken = port_check.taken(args.address, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})
+    if taken:  # before anything starts: a readiness probe would otherwise reach whoever holds the port
+        for line in taken:
+            print(f"error: {line}", flush=True)
+        print("choose free ones with --http-port, --grpc-port and --metrics-port "
+              "(make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)", flush=True)
+        return 2
     device = resolve_device(args.device)
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
@@ -547,7 +541,8 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
 
 
 def _serve(server) -> int:
-    """Serves in the foreground until SIGTERM / SIGINT, then drains and stops."""
+    """Serves in the foreground until SIGTERM / SIGINT, then drains and stops (exit status 0); or until
+    tritonserver cannot be started, then says why in one line (exit status 1)."""
     stop = threading.Event()
 
     def on_signal(*_):  # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests and exit
@@ -558,15 +553,25 @@ def _serve(server) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         server.start(stream_log=True)
-    except RuntimeError:
+    except (RuntimeError, TimeoutError) as exc:
+        server.stop(0)
         if stop.is_set():  # asked to stop while starting
-            server.stop(0)
             return 0
-        raise
+        print(f"error: tritonserver did not start: {first_line(exc)}", flush=True)
+        return 1
     print("ready", flush=True)
-    stop.wait()
+    while not stop.wait(1.0):
+        if server.gave_up:  # it kept failing to come back after a restart, the same way each time
+            server.stop(0)
+            print(f"error: tritonserver did not come back after a restart: {server.gave_up}", flush=True)
+            return 1
     server.stop()
     return 0
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (a start failure carries the server's log below it)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 if __name__ == "__main__":

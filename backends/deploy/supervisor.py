@@ -103,6 +103,19 @@ def reap_orphans(server_pid: int) -> None:
                 pass
 
 
+def start_failure(exc: BaseException, log_file: Path | None) -> str:
+    """What went wrong in a failed start, in one line: tritonserver's first error line from its log where
+    there is one (glog's E lines, e.g. a port it could not bind), else the first line of the exception."""
+    if log_file is not None:
+        try:
+            for line in log_file.read_text(errors="replace").splitlines():
+                if line.startswith("E") and "]" in line:
+                    return line.split("]", 1)[1].strip()
+        except OSError:
+            pass
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def model_of(instance: str) -> str:
     """kimi_preprocess_0_0 -> kimi_preprocess (Triton names instances <model>_<group>_<index>)."""
     return instance.rsplit("_", 2)[0]
@@ -239,6 +252,8 @@ class Supervisor:
 
     Same surface as TritonServer for its users (start/stop, context manager, urls, log_path, kept_log)."""
 
+    GIVE_UP_AFTER = 3
+
     def __init__(self, server, *, metrics_address: str, metrics_port: int, poll_s: float = 0.5,
                  start_timeout: float = 600.0):
         self.server = server
@@ -257,6 +272,9 @@ class Supervisor:
         self._last_ready = 0.0
         self._quick_restarts = 0
         self._last_scrape = 0.0
+        # Why it stopped trying: the same start failure GIVE_UP_AFTER times in a row (a port another
+        # process took meanwhile, a broken checkpoint); the launcher then exits with it.
+        self.gave_up = ""
 
     # TritonServer's surface
     grpc_url = property(lambda self: self.server.grpc_url)
@@ -382,7 +400,7 @@ class Supervisor:
         self._quick_restarts = self._quick_restarts + 1 if since < 60 else 0
         if self._quick_restarts:
             self._stop.wait(min(2.0 ** (self._quick_restarts - 1), 30.0))  # 1, 2, 4, ... 30 s
-        delay = 1.0
+        delay, failures = 1.0, []
         while not self._stop.is_set():
             try:
                 self._start_server(self.start_timeout)
@@ -393,6 +411,12 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
                 # The next attempt would overwrite why this one failed.
                 kept = self._keep_log("failed-start") if not self._stop.is_set() else None
+                failures.append(start_failure(exc, kept))
+                if len(failures) >= self.GIVE_UP_AFTER and len(set(failures[-self.GIVE_UP_AFTER:])) == 1:
+                    self.gave_up = f"{failures[-1]} ({self.GIVE_UP_AFTER} attempts in a row)"
+                    log.error("tritonserver did not come back: %s; giving up", self.gave_up)
+                    self._stop.set()
+                    return
                 log.error("tritonserver did not come back (%s)%s; retrying in %.0f s", exc,
                           f"; its log is kept as {kept}" if kept else "", delay)
                 self._stop.wait(delay)

@@ -209,6 +209,7 @@ def test_the_launcher_stops_its_daemon_when_serving_fails_or_sigterm_comes_early
             return True
 
     monkeypatch.setattr(launcher, "start_mps", lambda asked, device, folder: StandIn() if asked else None)
+    monkeypatch.setattr(launcher.port_check, "taken", lambda address, ports: [])  # whatever holds 8000-8002 here
     before = signal.getsignal(signal.SIGTERM)
     try:
         def fails(*_):

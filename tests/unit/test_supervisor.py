@@ -83,6 +83,30 @@ def test_a_restart_keeps_the_log_of_the_server_that_went_and_of_the_start_that_f
         sup.relay.stop()
 
 
+def test_the_same_start_failure_three_times_in_a_row_gives_up_with_it(tmp_path, monkeypatch):
+    """A server that cannot come back (a port taken meanwhile, say) must not be restarted forever: the
+    third identical failure ends the supervision, naming tritonserver's own error line."""
+    server = StandIn(tmp_path / "tritonserver-x.log", failing=99)
+    sup = server.supervisor = Supervisor(server, metrics_address="127.0.0.1", metrics_port=0)
+    monkeypatch.setattr(sup._stop, "wait", lambda *_: False)  # no back-off sleeps in a unit test
+    original = server.start
+
+    def start(*args, **kwargs):
+        try:
+            original(*args, **kwargs)
+        finally:  # what tritonserver logs when its port is taken
+            server.log_path.write_text("I1204 12:00:00 1 server.cc] starting\n"
+                                       "E1204 12:00:01 1 main.cc:245] failed to start HTTP service: Address already in use\n")
+
+    server.start = start
+    try:
+        sup._restart("stub_died", "a stub died")
+        assert server.starts == Supervisor.GIVE_UP_AFTER and not sup.serving.is_set()
+        assert sup.gave_up == f"failed to start HTTP service: Address already in use ({Supervisor.GIVE_UP_AFTER} attempts in a row)"
+    finally:
+        sup.relay.stop()
+
+
 def test_a_supervised_server_gets_four_distinct_ports(tmp_path):
     from backends.deploy.launcher import deployment_server
     from backends.deploy.repository import Deployment

@@ -1,0 +1,34 @@
+"""The launcher's port check (backends/deploy/ports.py): a taken port stops it at once with one line that
+names the port and its holder, instead of a readiness probe answered by whoever holds it."""
+
+import os
+import socket
+
+from backends.deploy import launcher
+from backends.deploy.ports import port_holder, port_taken, taken
+
+
+def test_a_listening_port_is_taken_and_its_holder_named():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port_taken("127.0.0.1", port)
+        if os.path.exists("/proc/net/tcp"):
+            assert port_holder(port) == f"pid {os.getpid()} ({open('/proc/self/comm').read().strip()})"
+        (line,) = taken("127.0.0.1", {"gRPC": port})
+        assert line.startswith(f"the gRPC port {port} on 127.0.0.1 is already in use")
+    assert not port_taken("127.0.0.1", port)  # closed again: free
+    assert taken("127.0.0.1", {"gRPC": port}) == []
+
+
+def test_the_launcher_stops_with_one_line_and_status_2_on_a_taken_port(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code = launcher.main(["--device", "cpu", "--address", "127.0.0.1", "--http-port", str(port)])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert f"error: the HTTP port {port} on 127.0.0.1 is already in use" in out
+    assert "--http-port" in out and "Traceback" not in out
