@@ -443,7 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--repository-dir", type=Path, help="where to render the repository (default build/model_repository-<device>)")
+    ap.add_argument("--repository-dir", type=Path,
+                    help="where to render the repository (default: build/model_repository-<device>-<pid>, this "
+                         "launch's own, removed at exit)")
     ap.add_argument("--tritonserver", help="an installed tritonserver binary (default: KIMI_TRITONSERVER, else the embedded one)")
     ap.add_argument("--address", default=os.environ.get("KIMI_ADDRESS", "0.0.0.0"),
                     help="where HTTP, gRPC and metrics listen (default 0.0.0.0; 127.0.0.1 keeps them on this host)")
@@ -525,8 +527,20 @@ def _stop_mps(daemon: mps.Daemon) -> None:
 
 
 def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | None) -> int:
+    # Each launch renders its own repository (removed again at exit), so that two servers started from
+    # one checkout never share one, and a restart reuses this launch's rendering, never another's.
+    own = args.repository_dir is None
+    repository = args.repository_dir or BUILD / f"model_repository-{device}-{os.getpid()}"
+    try:
+        return _serve_rendered(args, device, dep, daemon, repository)
+    finally:
+        if own:
+            shutil.rmtree(repository, ignore_errors=True)
+
+
+def _serve_rendered(args, device: str, dep: Deployment, daemon: mps.Daemon | None, repository: Path) -> int:
     server = deployment_server(dep, device,
-                               repository=args.repository_dir, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
+                               repository=repository, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
                                address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None,
                                trace_file=args.trace_file)

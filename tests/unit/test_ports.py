@@ -32,3 +32,24 @@ def test_the_launcher_stops_with_one_line_and_status_2_on_a_taken_port(capsys):
     assert code == 2
     assert f"error: the HTTP port {port} on 127.0.0.1 is already in use" in out
     assert "--http-port" in out and "Traceback" not in out
+
+
+def test_each_launch_renders_its_own_repository_and_removes_it_at_exit(monkeypatch, tmp_path):
+    """Two servers from one checkout must never share a rendering: a restart of one would otherwise heal
+    into the other's models or checkpoint. A repository the operator names stays."""
+    import argparse
+
+    seen = []
+
+    def serve(args, device, dep, daemon, repository):
+        repository.mkdir(parents=True)
+        seen.append(repository)
+        return 0
+
+    monkeypatch.setattr(launcher, "_serve_rendered", serve)
+    args = argparse.Namespace(repository_dir=None)
+    assert launcher._render_and_serve(args, "cpu", None, None) == 0
+    assert seen[0].name == f"model_repository-cpu-{os.getpid()}" and not seen[0].exists()
+    named = argparse.Namespace(repository_dir=tmp_path / "mine")
+    launcher._render_and_serve(named, "cpu", None, None)
+    assert seen[1] == tmp_path / "mine" and seen[1].exists()
