@@ -37,6 +37,7 @@ from pathlib import Path
 from backends.config import env_flag, env_int
 from backends.deploy import mps, ports as port_check
 from backends.deploy.ports import free_ports
+from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
@@ -244,8 +245,9 @@ class TritonServer:
                  cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
                  install: TritonInstall | None = None, address: str = "127.0.0.1",
                  metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None,
-                 trace_file: Path | None = None):
+                 trace_file: Path | None = None, reaper=None):
         self.repository = Path(repository).resolve()
+        self.reaper = reaper  # the launcher's (reaper.py): what this server starts dies with the launcher
         self.env = dict(env or {})  # on top of ours, for the server and its stubs
         self.ports = ports
         self.log_path = Path(log_path) if log_path else BUILD / f"tritonserver-{ports.http}.log"
@@ -297,6 +299,8 @@ class TritonServer:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
+        if self.reaper is not None:
+            self.reaper.track(self.proc.pid, self.shm_prefix)
         return self.proc
 
     def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None, should_stop=None) -> "TritonServer":
@@ -372,6 +376,8 @@ class TritonServer:
         self.proc.wait()
         self._wait_group_gone()
         self.remove_shm_regions()
+        if self.reaper is not None:
+            self.reaper.forget(self.proc.pid)
 
     def _wait_group_gone(self, limit: float = 5.0) -> None:
         """Until no live process of the server's group is left (zombies of killed stubs do not count:
@@ -502,6 +508,8 @@ def main(argv=None) -> int:
               "(make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)", flush=True)
         return 2
     device = resolve_device(args.device)
+    reaper = Reaper()  # from here on, whatever this launch starts goes with it, however it ends
+    args.reaper = reaper
     dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                      encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
     daemon = None
@@ -511,6 +519,7 @@ def main(argv=None) -> int:
     finally:
         if daemon is not None:  # after the server and its stubs are gone
             _stop_mps(daemon)
+        reaper.close()
 
 
 def _stop_mps(daemon: mps.Daemon) -> None:
@@ -543,7 +552,7 @@ def _serve_rendered(args, device: str, dep: Deployment, daemon: mps.Daemon | Non
                                repository=repository, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
                                install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
                                address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None,
-                               trace_file=args.trace_file)
+                               trace_file=args.trace_file, reaper=getattr(args, "reaper", None))
     print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
           f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     if device == "cpu" and gpu_count() == 0:
