@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from backends.deploy.launcher import deployment_server, resolve_device
@@ -22,10 +23,16 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
+    dep = Deployment(device=device, checkpoint=args.checkpoint)
+    try:
+        dep.vision  # the checkpoint's config, read now: a wrong path is one line, not a traceback
+    except (OSError, ValueError) as exc:
+        print(f"error: CHECKPOINT={args.checkpoint}: {exc}", file=sys.stderr)
+        return 2
     what = f"checkpoint {args.checkpoint}" if args.checkpoint else "the embedded demo model (seeded random weights, untrained)"
     print(f"starting tritonserver ({device}) with {what} ...", flush=True)
     t0 = time.monotonic()
-    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"run-{device}")
+    server = deployment_server(dep, f"run-{device}")
     with server:
         print(f"ready in {time.monotonic() - t0:.1f}s (log: {os.path.relpath(server.log_path)})")
         images = sample_images()

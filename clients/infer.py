@@ -48,7 +48,11 @@ def main(argv=None) -> int:
                          "takes the same request)")
     args = ap.parse_args(argv)
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
-    images = [p.read_bytes() for p in args.image]
+    try:
+        images = [p.read_bytes() for p in args.image]
+    except OSError as exc:  # a user's mistake: one line, not a traceback
+        print(f"error: cannot read --image {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     frames = parse_ids(args.media_frames) if args.media_frames else None
     num_media = len(images) if frames is None else len(frames)
     ids = parse_ids(args.ids) if args.ids else chat_prompt_ids(num_media)

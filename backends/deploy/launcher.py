@@ -508,10 +508,15 @@ def main(argv=None) -> int:
               "(make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)", flush=True)
         return 2
     device = resolve_device(args.device)
+    try:  # the settings and the checkpoint's config, read now: a mistake is one line, not a traceback
+        dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
+                         encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
+        dep.vision
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
     reaper = Reaper()  # from here on, whatever this launch starts goes with it, however it ends
     args.reaper = reaper
-    dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
-                     encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
     daemon = None
     try:
         daemon = start_mps(args.mps, device, mps.folder_for(str(args.grpc_port)))

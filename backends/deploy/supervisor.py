@@ -388,7 +388,6 @@ class Supervisor:
         with self.relay.lock:
             self.relay.restarts[reason] += 1
         log.error("%s; restarting tritonserver (its ports close until it is ready again)", why)
-        print(f"kimi-vision supervisor: {why}; restarting tritonserver", flush=True)
         self.relay.scrape()  # the failures the dead stub caused, while the server still answers
         self.server.stop(0, stubs_dead=True)
         # Only now: a scrape that began after the new generation would otherwise still read the old
@@ -406,7 +405,7 @@ class Supervisor:
                 self._start_server(self.start_timeout)
                 if not self._stop.is_set():  # stop() may have cleared it meanwhile: not serving then
                     self.serving.set()
-                    print("kimi-vision supervisor: tritonserver is ready again", flush=True)
+                    log.info("tritonserver is ready again")
                 return
             except Exception as exc:  # noqa: BLE001 - keep trying; readiness stays false meanwhile
                 # The next attempt would overwrite why this one failed.
