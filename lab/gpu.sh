@@ -18,6 +18,7 @@
 #   e2e         JPEG bytes to embeddings through the server against the reference (lab/bench/e2e_bench.py)
 #   soak        10000 mixed requests at concurrency 16, memory sampled (lab/bench/soak.py)
 #   profile     the encoder's kernels by GPU time (lab/bench/profile_encoder.py)
+#   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
 # Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh.
 set -uo pipefail
 out=/tmp/results; mkdir -p "$out"
@@ -85,6 +86,9 @@ for stage in "$@"; do
     soak)
       python3 -m lab.bench.soak --device gpu --requests 10000 --concurrency 16 --sample-every 1000 --out "$out" \
         --section soak > "$out/soak.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/soak.log" | tail -30 ;;
+    restart) random_checkpoint
+      python3 -m lab.bench.restart --device gpu --checkpoint /tmp/kimi-random --section restart > "$out/restart.log" 2>&1
+      grep -v "^[IWE]1[0-9]" "$out/restart.log" | tail -8 ;;
     profile) python3 -m lab.bench.profile_encoder --out "$out" > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;
     *) echo "unknown stage '$stage' (the stages are listed at the top of lab/gpu.sh)" >&2 ;;
   esac

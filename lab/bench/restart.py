@@ -1,0 +1,86 @@
+"""How long a dead stub takes the service down: the supervisor's full restart, timed.
+
+    python -m lab.bench.restart --device gpu --checkpoint /tmp/kimi-random [--kills 2] [--section restart]
+
+Starts the deployment (cold start timed), sends one 1024^2 JPEG request, then for each kill: SIGKILL to
+moonvit3d's stub, and times (a) until the supervisor notices (readiness false), (b) until the server is
+ready again, (c) until a request is answered again (its first forward after the restart included).
+tritonserver 2.51 cannot restart one stub, so every model is down for (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import sys
+import time
+
+from backends.deploy.launcher import deployment_server, resolve_device
+from backends.deploy.repository import Deployment
+from backends.deploy.supervisor import model_of, stub_processes
+from clients.kimi_client import KimiVisionClient, chat_prompt_ids
+from clients.samples import encode, photo_like
+from contract import ENCODER
+from lab.bench.results_page import write_section
+
+
+def _answered(url: str, blob: bytes, deadline: float) -> float:
+    """Seconds until a request is answered (retrying while the server is down)."""
+    t0 = time.monotonic()
+    while time.monotonic() < deadline:
+        client = KimiVisionClient(url)
+        try:
+            client.infer(chat_prompt_ids(1), [blob], timeout_s=60)
+            return time.monotonic() - t0
+        except Exception:  # noqa: BLE001 - down while it restarts
+            time.sleep(0.2)
+        finally:
+            client.close()
+    raise TimeoutError("no answer")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
+    ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
+    ap.add_argument("--kills", type=int, default=2)
+    ap.add_argument("--section", default="")
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    blob = encode(photo_like(1024, 1024, seed=3), "JPEG", quality=90)
+    rows = []
+    t0 = time.monotonic()
+    server = deployment_server(Deployment(device=device, checkpoint=args.checkpoint), f"restart-{device}")
+    with server:
+        cold = time.monotonic() - t0
+        first = _answered(server.grpc_url, blob, time.monotonic() + 600)
+        for k in range(args.kills):
+            stubs = {n: p for n, p in stub_processes(server.proc.pid).items() if model_of(n) == ENCODER}
+            name, pid = next(iter(stubs.items()))
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            while server.serving.is_set() or server.ready():
+                time.sleep(0.02)
+            noticed = time.monotonic() - killed
+            server.serving.wait(600)
+            ready = time.monotonic() - killed
+            answered = ready + _answered(server.grpc_url, blob, time.monotonic() + 600)
+            rows.append((k + 1, noticed, ready, answered))
+    lines = [f"$ python -m lab.bench.restart {' '.join(sys.argv[1:] if argv is None else argv)}",
+             f"{platform.node()}, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
+             f"{time.strftime('%Y-%m-%d %H:%M')}",
+             f"cold start to ready: {cold:.1f} s; first 1x1024^2 request: {first:.2f} s", "",
+             "| kill of moonvit3d's stub | noticed (not ready) s | ready again s | answered again s |",
+             "|---|---|---|---|"]
+    lines += [f"| {k} | {a:.2f} | {b:.1f} | {c:.1f} |" for k, a, b, c in rows]
+    text = "\n".join(lines)
+    print(text)
+    if args.section:
+        print(f"written to {write_section(device, args.section, text)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
