@@ -9,6 +9,10 @@ subsampling other than 4:4:4, 4:2:2, 4:2:0, 4:4:0 or grayscale, and whatever the
 refuses, and every file whose entropy-coded scan is damaged or out of range (scan_check.c: the two
 decoders recover from damage differently). At start-up a self-check decodes a few generated JPEGs both
 ways; one differing pixel turns GPU decoding off, with a log line.
+
+In a Preprocessor it is the first decoder in line (decoders.py): per request (`start`, a JpegDecoding)
+the scan checks start before the headers are read, the JPEGs it takes are decoded in batches, and the
+answers are provisional until `settle` has the checks' verdicts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import io
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +30,14 @@ from PIL import Image
 from backends.config import env_flag
 from backends.kernels import jpeg_color
 from backends.preprocess import scan_check
+from backends.preprocess.decoders import Frame
 from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
 
 log = logging.getLogger("kimi_vision.jpeg")
 
 _FACTORS = tuple(jpeg_color.SAMPLING)  # the samplings the colour kernel reproduces
+# Decoded pixels one batched GPU decode may hold at once (a request may carry 64 huge JPEGs).
+GPU_DECODE_PIXELS = 64 << 20
 
 
 def pillow_reason(img: Image.Image) -> str | None:
@@ -91,11 +99,14 @@ def self_check_images() -> list[bytes]:
 
 
 class GpuJpegDecoder:
-    """Per model instance: routes, decodes, keeps `stats` (path, reason) -> images."""
+    """Per model instance: routes, decodes, counts in `stats` (path, reason) -> images (a Preprocessor's
+    decode_stats, shared with its other decoders; else its own)."""
 
-    def __init__(self, device: torch.device, enabled: bool | None = None):
+    name = "gpu"
+
+    def __init__(self, device: torch.device, enabled: bool | None = None, stats: Counter | None = None):
         self.device = torch.device(device)
-        self.stats: Counter = Counter()
+        self.stats: Counter = Counter() if stats is None else stats
         self.decoder: HardwareJpegDecoder | None = None
         self.off_reason = ""
         if enabled is None:
@@ -150,6 +161,10 @@ class GpuJpegDecoder:
         if self.decoder is None:
             return "gpu_decode_off" if img.format == "JPEG" else "not_jpeg"
         return pillow_reason(img)
+
+    def start(self, blobs, max_pixels: int) -> "JpegDecoding":
+        """Its part of a request (decoders.Decoding): the scan checks start now."""
+        return JpegDecoding(self, blobs, max_pixels)
 
     def decode(self, blobs: list[bytes], images: list[Image.Image]) -> list[torch.Tensor | None]:
         """decode_async, waiting for the scan checks: None for every image the GPU must not answer."""
@@ -259,6 +274,82 @@ class GpuJpegDecoder:
         """Counts settled images: on the GPU, or on Pillow by the scan check's reason."""
         for why in verdicts.values():
             self.stats[("pillow", why) if why else ("gpu", "")] += 1
+
+
+class JpegDecoding:
+    """One request's part of the GPU JPEG decoder (decoders.Decoding). Its scan checks start with it,
+    before the headers are read, so that they have as long as possible to finish beside the rest; a
+    pass done again reuses their answers. The images it decodes in a pass are provisional until settle()
+    has their checks' verdicts; an image a check refused is refused from then on (the next pass routes
+    it to Pillow, which counts it under the check's reason)."""
+
+    def __init__(self, decoder: GpuJpegDecoder, blobs, max_pixels: int):
+        self.decoder, self.blobs = decoder, blobs
+        # Images above `max_pixels` are refused from their header (the request's own check refuses them
+        # too), so that a decompression bomb costs no scan decode here.
+        self.early = decoder.start_checks(blobs, max_pixels)
+        self.pending: dict = {}  # image index -> its check (scan_check.Pending), for this pass's decodes
+        self.refused: dict[int, str] = {}  # image index -> why its check refused it
+
+    def refusal(self, index: int, image) -> str | None:
+        return self.refused.get(index) or self.decoder.reason(image)
+
+    def frames(self, frames: Sequence[Frame]):
+        """Decoded in batches of up to GPU_DECODE_PIXELS, each formed when its first frame is wanted;
+        None for an image the decode gives back (counted), or all of a batch whose decode raised (e.g.
+        nvJPEG rejects a corrupt file: Pillow decides; counted as gpu_error)."""
+        frames = list(frames)
+        decoded: dict[int, torch.Tensor | None] = {}
+        for n, f in enumerate(frames):
+            if f.index not in decoded:
+                decoded.update(self._decode(_batch(frames[n:], decoded)))
+            yield decoded.pop(f.index)
+
+    def _decode(self, batch: list[Frame]) -> dict[int, torch.Tensor | None]:
+        indices = [f.index for f in batch]
+        try:
+            rgbs, checks = self.decoder.decode_async([self.blobs[i] for i in indices], [f.image for f in batch],
+                                                     [self.early.get(i) for i in indices])
+        except Exception:  # noqa: BLE001 - e.g. nvJPEG rejects a corrupt file: Pillow decides
+            log.warning("GPU JPEG decode failed for images %s; decoding them with Pillow", indices, exc_info=True)
+            self.decoder.stats[("pillow", "gpu_error")] += len(batch)
+            return dict.fromkeys(indices)
+        self.pending.update((indices[k], check) for k, check in checks.items())
+        return dict(zip(indices, rgbs))
+
+    def settle(self) -> dict[int, str]:
+        """Waits for this pass's checks: {image: why} for those refused (remembered for the next pass);
+        where none is, the decoded images are counted on the GPU."""
+        pending, self.pending = self.pending, {}
+        verdicts = self.decoder.settle(pending)
+        refused = {i: why for i, why in verdicts.items() if why is not None}
+        if refused:
+            self.refused.update(refused)
+        else:
+            self.decoder.count(verdicts)
+        return refused
+
+    def close(self) -> None:
+        """Checks no longer wanted: those of a pass that failed, and those the decode never asked for (a
+        PNG-like JPEG, an error)."""
+        for verdict in (*self.pending.values(), *self.early.values()):
+            verdict.cancel()
+        self.pending = {}
+
+
+def _pixels(img) -> int:
+    return img.size[0] * img.size[1]
+
+
+def _batch(frames: list[Frame], decoded: dict) -> list[Frame]:
+    """The next batch, from frames[0] on: every frame not yet decoded that still fits in
+    GPU_DECODE_PIXELS (the first always)."""
+    batch, pixels = [], 0
+    for f in frames:
+        if f.index not in decoded and (not batch or pixels + _pixels(f.image) <= GPU_DECODE_PIXELS):
+            batch.append(f)
+            pixels += _pixels(f.image)
+    return batch
 
 
 def _ends_as_jpeg(blob) -> bool:

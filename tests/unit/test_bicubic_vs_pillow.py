@@ -182,7 +182,7 @@ NAVIT_SOURCES = [(3000, 3000), (4032, 3024), (2048, 2048), (10000, 200), (200, 9
 
 @pytest.mark.parametrize("src", NAVIT_SOURCES, ids=[f"{w}x{h}" for w, h in NAVIT_SOURCES])
 def test_navit_rule_targets_equal_pillow(src):
-    """The sizes the K2.5 processor actually asks Pillow for (preprocessor.resize_pillow)."""
+    """The sizes the K2.5 processor actually asks Pillow for (decoders.resize_pillow)."""
     plan = navit_resize(*src, MediaConfig())
     arr = photo_like(*src, seed=1)
     if not plan.needs_resize:

@@ -1,6 +1,8 @@
 """Which images the exact GPU JPEG path may take (decided from Pillow's header alone), and the start-up
 self-check that turns GPU decoding off when one pixel differs. The decode itself is tested on the GPU
-(tests/gpu/test_jpeg_decode.py)."""
+(tests/gpu/test_jpeg_decode.py). Also the Preprocessor as an orchestrator over its decoders: a fake
+decoder shows the routing, the order, the counting and the pass done again; stand-ins for nvJPEG the GPU
+JPEG decoder's batches."""
 
 import io
 from collections import Counter
@@ -200,6 +202,14 @@ def _decoder_over(info: JpegInfo, starts: tuple[int, ...]) -> GpuJpegDecoder:
     return dec
 
 
+def _use(pre, dec: GpuJpegDecoder) -> None:
+    """`pre` (a CPU Preprocessor) with `dec` first in line, counting in its decode_stats as a GPU
+    Preprocessor's GPU decoder does."""
+    dec.stats = pre.decode_stats
+    pre.decoders.insert(0, dec)
+    assert pre.jpeg is dec
+
+
 def test_planes_not_back_to_back_raise_instead_of_converting_wrong_pixels():
     """A run is read as strided views one image apart; a decoder whose images lie otherwise must stop
     the decode (the preprocessor then decodes those images with Pillow), not feed the kernel."""
@@ -354,7 +364,7 @@ def test_a_gpu_decode_that_raises_leaves_the_batch_to_pillow_each_image_counted_
     info = JpegInfo(40, 30, 3, 2, (40, 20, 20), (30, 15, 15))  # 1800 bytes of planes per image
     dec = _decoder_over(info, (0, 1800, 5000))
     pre = Preprocessor(MediaConfig())
-    pre.jpeg = dec
+    _use(pre, dec)
     got, grid, _ = pre(blobs)
     want, want_grid, _ = Preprocessor(MediaConfig())(blobs)
     assert torch.equal(got, want) and grid.tolist() == want_grid.tolist()
@@ -376,7 +386,7 @@ def test_a_damaged_scan_goes_to_pillow_whatever_the_gpu_made_of_it(monkeypatch):
     dec = object.__new__(GpuJpegDecoder)
     dec.decoder, dec.stats = _WrongDecoder(None), Counter()
     pre = Preprocessor(MediaConfig())
-    pre.jpeg = dec
+    _use(pre, dec)
     png = encode(photo_like(40, 30, seed=2), "PNG")
     got, _, _ = pre([bad, png, good])
     want, _, _ = Preprocessor(MediaConfig())([bad, png, good])
@@ -423,7 +433,7 @@ def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(mon
     dec = object.__new__(GpuJpegDecoder)
     dec.decoder, dec.stats = _WrongDecoder(None), Counter()
     pre = Preprocessor(MediaConfig())
-    pre.jpeg = dec
+    _use(pre, dec)
     order = []
     start = dec.start_checks
     monkeypatch.setattr(dec, "start_checks", lambda *a: order.append("checks") or start(*a), raising=False)
@@ -437,3 +447,178 @@ def test_scan_checks_start_before_the_headers_are_read_and_run_once_per_jpeg(mon
     checked.clear()  # decode_async on its own starts no check either for a file without its end marker
     dec.decode([good, trailing], [Image.open(io.BytesIO(b)) for b in (good, trailing)])
     assert checked == [b"\xff\xd8"]
+
+
+class _FakeDecoding:
+    """A decoder's part of a request, for the orchestrator's tests: takes the images in `takes` (else
+    "not_mine"), decodes them as Pillow does (so the request's result is the CPU path's), gives back those
+    in `gives_back` (counted "given_back"), and in its first settle takes back those in `takes_back` (the
+    next pass refuses them, "second_thoughts"). Logs what it is asked in `log`."""
+
+    def __init__(self, log, stats, takes, gives_back=(), takes_back=()):
+        self.log, self.stats, self.takes = log, stats, set(takes)
+        self.gives_back, self.takes_back = set(gives_back), set(takes_back)
+        self.refused, self.decoded = {}, []
+
+    def refusal(self, index, image):
+        return self.refused.get(index) or (None if index in self.takes else "not_mine")
+
+    def frames(self, frames):
+        from backends.preprocess.decode import decode_rgb
+
+        self.log.append(("routed", [f.index for f in frames]))
+        for f in frames:
+            self.log.append(("decode", f.index))
+            if f.index in self.gives_back:
+                self.stats[("pillow", "given_back")] += 1
+                yield None
+            else:
+                self.decoded.append(f.index)
+                yield torch.from_numpy(np.array(decode_rgb(f.image, f.index)))
+
+    def settle(self):
+        refused = {i: "second_thoughts" for i in self.decoded if i in self.takes_back and not self.refused}
+        self.log.append(("settle", sorted(refused)))
+        if not refused:
+            self.stats[("fake", "")] += len(self.decoded)
+        self.refused.update(refused)
+        self.decoded = []
+        return refused
+
+    def close(self):
+        self.log.append("close")
+
+
+class _Fake:
+    name = "fake"
+
+    def __init__(self, pre, **kw):
+        self.log, self.kw, self.stats = [], kw, pre.decode_stats
+
+    def start(self, blobs, max_pixels):
+        self.log.append("start")
+        self.decoding = _FakeDecoding(self.log, self.stats, **self.kw)
+        return self.decoding
+
+
+def _request():
+    """Six images in five media (a 2-frame video chunk among them), JPEG and PNG, two sizes."""
+    from clients.samples import encode, photo_like
+
+    blobs = [encode(photo_like(w, h, seed=s), fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+             for s, (w, h, fmt) in enumerate([(60, 40, "JPEG"), (60, 40, "PNG"), (50, 70, "JPEG"), (50, 70, "JPEG"),
+                                              (33, 20, "PNG"), (60, 40, "JPEG")])]
+    return blobs, [0, 0, 2, 0, 0]
+
+
+def _fake_first(**kw):
+    from backends.config import MediaConfig
+    from backends.preprocess.preprocessor import Preprocessor
+
+    pre = Preprocessor(MediaConfig())
+    fake = _Fake(pre, **kw)
+    pre.decoders.insert(0, fake)
+    log = fake.log
+    opened = pre.open
+    pre.open = lambda blobs: log.append("headers") or opened(blobs)
+    return pre, fake
+
+
+def _cpu_answer(blobs, frames):
+    from backends.config import MediaConfig
+    from backends.preprocess.preprocessor import Preprocessor
+
+    pre = Preprocessor(MediaConfig())
+    want, grid, _ = pre(blobs, media_frames=frames)
+    return want, grid.tolist(), pre.decode_stats
+
+
+def test_each_frame_goes_to_the_first_decoder_that_takes_it_and_comes_back_in_order():
+    """The fake takes images 0, 2 and 5; Pillow the rest, counted under the fake's refusal; every frame
+    comes back in prompt order (the result is the CPU path's), the fake's part started before the headers
+    are read and closed at the end, its answers counted once settled."""
+    blobs, frames = _request()
+    pre, fake = _fake_first(takes={0, 2, 5})
+    got, grid, _ = pre(blobs, media_frames=frames)
+    want, want_grid, cpu_stats = _cpu_answer(blobs, frames)
+    assert torch.equal(got, want) and grid.tolist() == want_grid
+    assert fake.log == ["start", "headers", ("routed", [0, 2, 5]), ("decode", 0), ("decode", 2), ("decode", 5),
+                        ("settle", []), "close"]
+    assert pre.decode_stats == Counter({("fake", ""): 3, ("pillow", "not_mine"): 3})
+    assert cpu_stats == Counter({("pillow", "no_gpu"): 6})  # no decoder ahead of Pillow
+
+
+def test_a_frame_given_back_is_decoded_by_pillow_and_counted_once():
+    blobs, frames = _request()
+    pre, fake = _fake_first(takes={0, 2, 3, 5}, gives_back={3})
+    got, grid, _ = pre(blobs, media_frames=frames)
+    want, want_grid, _ = _cpu_answer(blobs, frames)
+    assert torch.equal(got, want) and grid.tolist() == want_grid
+    assert pre.decode_stats == Counter({("fake", ""): 3, ("pillow", "not_mine"): 2, ("pillow", "given_back"): 1})
+
+
+def test_an_answer_taken_back_makes_a_second_pass_with_that_image_on_pillow():
+    """As a scan check's refusal does: the request is computed again, the image taken back routed to
+    Pillow under the decoder's reason, the others to the fake again; every image counted once, over both
+    passes."""
+    blobs, frames = _request()
+    pre, fake = _fake_first(takes={0, 2, 3, 5}, takes_back={2})
+    got, grid, _ = pre(blobs, media_frames=frames)
+    want, want_grid, _ = _cpu_answer(blobs, frames)
+    assert torch.equal(got, want) and grid.tolist() == want_grid
+    assert fake.log == ["start", "headers",
+                        ("routed", [0, 2, 3, 5]), ("decode", 0), ("decode", 2), ("decode", 3), ("decode", 5),
+                        ("settle", [2]),
+                        ("routed", [0, 3, 5]), ("decode", 0), ("decode", 3), ("decode", 5), ("settle", []),
+                        "close"]
+    assert pre.decode_stats == Counter({("fake", ""): 3, ("pillow", "not_mine"): 2, ("pillow", "second_thoughts"): 1})
+
+
+def test_frames_are_decoded_as_they_are_wanted_and_a_failed_request_closes_its_decoders():
+    """Cancelled after the first media: the fake decoded only what came before, nothing was settled, and
+    its part of the request was closed; a frame Pillow cannot decode fails the request the same way."""
+    from backends.errors import RequestCancelled, RequestError
+
+    blobs, frames = _request()
+    pre, fake = _fake_first(takes={0, 2, 5})
+    asked = []
+    with pytest.raises(RequestCancelled):
+        pre(blobs, media_frames=frames, cancelled=lambda: asked.append(1) or len(asked) > 1)
+    assert fake.log == ["start", "headers", ("routed", [0, 2, 5]), ("decode", 0), "close"]
+    cut = blobs[:4] + [blobs[4][: len(blobs[4]) // 2], blobs[5]]  # image 4 (a PNG, Pillow's) truncated
+    fake.log.clear()
+    with pytest.raises(RequestError, match="image 4"):
+        pre(cut, media_frames=frames)
+    assert fake.log[-1] == "close" and ("settle", []) not in fake.log
+
+
+def test_the_gpu_decoder_decodes_its_jpegs_in_batches_of_limited_pixels(monkeypatch):
+    """Each batch is formed when its first JPEG is wanted: every later JPEG not yet decoded that still
+    fits in GPU_DECODE_PIXELS, a PNG between them left to Pillow; a JPEG too large for the batch waits
+    for one of its own, and one after it may still join."""
+    from backends.config import MediaConfig
+    from backends.preprocess.preprocessor import Preprocessor
+    from clients.samples import encode, photo_like
+
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
+    monkeypatch.setattr(jpeg_gpu, "GPU_DECODE_PIXELS", 3000)
+    sizes = [(40, 30), None, (40, 30), (80, 60), (40, 30), (10, 10), (40, 30)]  # None: a PNG
+    blobs = [encode(photo_like(*(s or (40, 30)), seed=k), "PNG" if s is None else "JPEG", **({} if s is None else {"quality": 90}))
+             for k, s in enumerate(sizes)]
+    batches = []
+
+    class Recording(_WrongDecoder):
+        def decode_planes(self, datas, infos):
+            batches.append([blobs.index(d) for d in datas])
+            return super().decode_planes(datas, infos)
+
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder = Recording(None)
+    pre = Preprocessor(MediaConfig())
+    _use(pre, dec)
+    got, _, _ = pre(blobs)
+    # 0 and 2 (2400 px), 3 and 4 too large to join, 5 (100 px) joining; then 3 alone (4800 px); then 4 and 6.
+    assert batches == [[0, 2, 5], [3], [4, 6]]
+    assert pre.decode_stats == Counter({("gpu", ""): 6, ("pillow", "not_jpeg"): 1})
+    want, _, _ = Preprocessor(MediaConfig())(blobs)
+    assert got.shape == want.shape
