@@ -12,7 +12,9 @@ ways; one differing pixel turns GPU decoding off, with a log line.
 
 In a Preprocessor it is the first decoder in line (decoders.py): per request (`start`, a JpegDecoding)
 the scan checks start before the headers are read, the JPEGs it takes are decoded in batches, and the
-answers are provisional until `settle` has the checks' verdicts.
+answers are provisional until `settle` has the checks' verdicts. An image's planes come from the header
+jpeg_header walked for the route (nvjpeg.header_info), or from nvJPEG's own header read where Pillow
+opened the file.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from PIL import Image
 from backends.config import env_flag
 from backends.kernels import jpeg_color
 from backends.preprocess import scan_check
+from backends.preprocess.decode import HeaderOnly, open_image
 from backends.preprocess.decoders import Frame
-from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable
+from backends.preprocess.nvjpeg import HardwareJpegDecoder, JpegInfo, NvJpegError, NvJpegUnavailable, header_info
 
 log = logging.getLogger("kimi_vision.jpeg")
 
@@ -98,6 +101,13 @@ def self_check_images() -> list[bytes]:
     return blobs
 
 
+def self_check_handles(blobs: list[bytes]) -> list:
+    """The self-check's opened images: the handles a request gets (jpeg_header's walk, a HeaderOnly),
+    every other one Pillow's, so that both ways to an image's planes (nvjpeg.header_info, nvJPEG's own
+    header read) meet the hardware decoder, each for every size and sampling but 4:4:0 (the last file)."""
+    return [Image.open(io.BytesIO(b)) if k % 2 else open_image(b, k, 1 << 30) for k, b in enumerate(blobs)]
+
+
 class GpuJpegDecoder:
     """Per model instance: routes, decodes, counts in `stats` (path, reason) -> images (a Preprocessor's
     decode_stats, shared with its other decoders; else its own)."""
@@ -143,7 +153,7 @@ class GpuJpegDecoder:
         """"" if the GPU gives Pillow's pixels for every generated JPEG; else what went wrong: how many
         differ, or which ones the scan check refused (well-formed files it must pass)."""
         blobs = self_check_images()
-        images = [Image.open(io.BytesIO(b)) for b in blobs]
+        images = self_check_handles(blobs)
         got, pending = self.decode_async(blobs, images)
         refused = {k: why for k, why in self.settle(pending).items() if why is not None}
         if refused:
@@ -193,7 +203,8 @@ class GpuJpegDecoder:
         after a host wait for the stream's earlier work: nvjpeg.py), None for those it refuses (decode
         them with Pillow); and the pending scan checks of the decoded ones (settle() waits for them:
         until then a decoded image is provisional).
-        `images` are the opened handles: their header sizes must agree with nvJPEG's. Refusals are
+        `images` are the opened handles: an image's planes are read from its header as jpeg_header walked
+        it (a HeaderOnly), else asked of nvJPEG, whose sizes must then agree with the handle's. Refusals are
         counted in `stats` on return, decoded images by the caller through count() once settled: when
         this raises, the caller decodes the whole batch with Pillow and counts it so (the checks are
         then cancelled).
@@ -229,8 +240,8 @@ class GpuJpegDecoder:
                 infos.append(None)
                 continue
             try:
-                info = self.decoder.info(blob)
-                why = self.decoder.unsupported(blob, info)
+                info = self._info(blob, img)
+                why = self.decoder.unsupported(blob, info)  # the hardware decoder's own verdict
             except NvJpegError as exc:  # a header nvJPEG cannot read: this image alone goes to Pillow
                 info, why = None, str(exc)
             if why is None and (info.width, info.height) != img.size:
@@ -251,6 +262,12 @@ class GpuJpegDecoder:
                     out[todo[r]] = rgb[i]
         self.stats.update(counts)
         return out, {k: verdicts[k] for k in todo}
+
+    def _info(self, blob, img) -> JpegInfo:
+        """The image's planes: from the header jpeg_header walked (a HeaderOnly handle), else from
+        nvJPEG's own read of the header."""
+        info = header_info(img.header) if isinstance(img, HeaderOnly) else None
+        return info if info is not None else self.decoder.info(blob)
 
     @staticmethod
     def settle(pending: dict) -> dict:

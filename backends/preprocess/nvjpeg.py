@@ -96,6 +96,34 @@ class JpegInfo:
         return SUBSAMPLING.get(self.subsampling)
 
 
+NVJPEG_CSS_GRAY = 6
+_CODES = {factors: code for code, factors in SUBSAMPLING.items() if factors is not None}  # Y's (h, v) -> code
+
+
+def header_info(header) -> JpegInfo | None:
+    """What `HardwareJpegDecoder.info` (nvjpegGetImageInfo) gives for a JPEG whose header jpeg_header
+    walked (a jpeg_header.JpegHeader: its size, and its layers, (id, h, v, table) per component), for
+    the samplings the GPU route takes; None for any other, whose info is then nvJPEG's to give.
+
+    nvJPEG reports every plane at its stored size, libjpeg's ceil(W * h / Hmax) by ceil(H * v / Vmax)
+    (docs/jpeg_decoding.md#the-route-we-take), grayscale in the first plane only: with 1x1 chroma, Y is
+    W x H and chroma ceil(W / h) x ceil(H / v) for Y's factors (h, v), which name the subsampling.
+    tests/unit/test_jpeg_header.py holds this to that rule over the corpus, tests/gpu/test_jpeg_decode.py
+    to nvJPEG itself."""
+    (width, height), layers = header.size, header.layer
+    if len(layers) == 1:
+        if tuple(layers[0][1:3]) != (1, 1):
+            return None
+        return JpegInfo(width, height, 1, NVJPEG_CSS_GRAY, (width,), (height,))
+    if len(layers) != 3:
+        return None
+    (_, h, v, _), chroma = layers[0], layers[1:]
+    if (h, v) not in _CODES or any(tuple(c[1:3]) != (1, 1) for c in chroma):
+        return None
+    cw, ch = -(-width // h), -(-height // v)
+    return JpegInfo(width, height, 3, _CODES[(h, v)], (width, cw, cw), (height, ch, ch))
+
+
 class HardwareJpegDecoder:
     """Decodes baseline JPEGs on `device` to their planes. One per model instance (not thread-safe)."""
 

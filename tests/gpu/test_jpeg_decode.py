@@ -10,6 +10,7 @@ from PIL import Image
 
 from backends.config import MediaConfig
 from backends.preprocess import Preprocessor
+from backends.preprocess.decode import HeaderOnly, open_image
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
 from clients.samples import encode, photo_like
 from oracles.jpeg_corpus import corpus, pillow_only
@@ -24,9 +25,16 @@ def decoder():
     return d
 
 
-def test_every_corpus_file_equals_pillow(decoder):
+@pytest.mark.parametrize("handles", ["pillow", "walked"])
+def test_every_corpus_file_equals_pillow(decoder, handles):
+    """Opened by Pillow, the planes' sizes come from nvJPEG's own header read; opened as a request opens
+    them (jpeg_header's walk, where it takes the file), from the walked header (nvjpeg.header_info)."""
     files = corpus()
-    images = [Image.open(io.BytesIO(b)) for _, b in files]
+    if handles == "pillow":
+        images = [Image.open(io.BytesIO(b)) for _, b in files]
+    else:
+        images = [open_image(b, k, 1 << 30) for k, (_, b) in enumerate(files)]
+        assert sum(isinstance(img, HeaderOnly) for img in images) >= len(files) - 1  # all but EXIF without JFIF
     assert all(decoder.reason(img) is None for img in images)
     before = decoder.stats[("gpu", "")]
     got = decoder.decode([b for _, b in files], images)
@@ -38,6 +46,22 @@ def test_every_corpus_file_equals_pillow(decoder):
             differing.append(label)
     assert differing == [], differing
     assert decoder.stats[("gpu", "")] == before + len(files)  # each counted once, none refused
+
+
+def test_the_walked_header_gives_nvjpegs_own_planes(decoder):
+    """nvjpeg.header_info, which spares a walked header nvJPEG's header read, against that read itself
+    (HardwareJpegDecoder.info): the same planes, sampling and components for every file the route takes."""
+    from backends.preprocess.jpeg_gpu import pillow_reason, self_check_images
+    from backends.preprocess.nvjpeg import header_info
+
+    compared = 0
+    for blob in [b for _, b in corpus()] + self_check_images():
+        img = open_image(blob, 0, 1 << 30)
+        if not isinstance(img, HeaderOnly) or pillow_reason(img) is not None:
+            continue
+        assert header_info(img.header) == decoder.decoder.info(blob), img.header
+        compared += 1
+    assert compared >= len(corpus()) - 1
 
 
 def test_files_it_cannot_reproduce_go_to_pillow_and_are_counted():

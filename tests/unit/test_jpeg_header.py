@@ -169,3 +169,71 @@ def test_open_image_takes_any_memoryview():
     for fast_path in (True, False):
         img = open_image(shaped, 0, 10_000, fast=fast_path)
         assert img.size == (32, 16)
+
+
+# The GPU route's planes from the walked header (nvjpeg.header_info) against what the current code makes
+# of nvJPEG's answer (HardwareJpegDecoder.info), nvJPEG's header read restated from docs/jpeg_decoding.md.
+# tests/gpu/test_jpeg_decode.py holds header_info to nvJPEG itself.
+
+class _NvJpegRule:
+    """nvjpegGetImageInfo as docs/jpeg_decoding.md#the-route-we-take states it, from Pillow's parse of the
+    file (not jpeg_header's): the component count; nvJPEG's nvjpegChromaSubsampling_t for the frame's
+    sampling factors; every plane at its stored size, libjpeg's ceil(W * h / Hmax) by ceil(H * v / Vmax),
+    grayscale in the first plane only."""
+
+    CODES = {(1, 1): 0, (2, 1): 1, (2, 2): 2, (1, 2): 3, (4, 1): 4, (4, 2): 5}  # Y's factors over 1x1 chroma
+    GRAY = 6
+
+    def nvjpegGetImageInfo(self, handle, data, length, n, css, widths, heights):
+        img = Image.open(io.BytesIO(bytes(data[:length])))
+        (w, h), factors = img.size, [tuple(layer[1:3]) for layer in img.layer]
+        assert len(factors) == 1 or factors[1] == factors[2] == (1, 1), factors  # the route takes no other
+        hmax, vmax = max(f[0] for f in factors), max(f[1] for f in factors)
+        n._obj.value = len(factors)
+        css._obj.value = self.GRAY if len(factors) == 1 else self.CODES[factors[0]]
+        for c, (fh, fv) in enumerate(factors):
+            widths[c], heights[c] = -(-w * fh // hmax), -(-h * fv // vmax)
+        return 0
+
+
+def _nvjpeg_info(blob: bytes):
+    """HardwareJpegDecoder.info, the current code, over the restated nvJPEG."""
+    from backends.preprocess.nvjpeg import HardwareJpegDecoder
+
+    dec = HardwareJpegDecoder.__new__(HardwareJpegDecoder)
+    dec.lib, dec.handle = _NvJpegRule(), None
+    return dec.info(blob)
+
+
+def test_header_info_equals_what_the_code_makes_of_nvjpegs_header_read():
+    """For every file the GPU route takes from a walked header: the same sizes of every plane, the same
+    sampling (nvJPEG's code) and the same number of components as HardwareJpegDecoder.info gives."""
+    from backends.preprocess.jpeg_gpu import self_check_images
+    from backends.preprocess.nvjpeg import header_info
+
+    files = [blob for _, blob in FILES] + self_check_images()
+    files += [_save(photo(w, h, seed=w), quality=q, subsampling=s) for w, h in ((1, 1), (2, 3), (5, 1), (1, 7), (33, 17))
+              for q, s in ((90, 0), (80, 1), (70, 2))]
+    files += [_save(photo(w, h, seed=h).convert("L"), quality=80) for w, h in ((1, 1), (3, 2), (33, 17))]
+    compared = set()
+    for blob in files:
+        header = jpeg_header.read(blob)
+        if header is None or pillow_reason(HeaderOnly(blob, header)) is not None:
+            continue
+        info = header_info(header)
+        assert info is not None and info == _nvjpeg_info(blob), (header, info)
+        compared.add("gray" if info.factors is None else info.factors)
+    assert compared == {"gray", (1, 1), (2, 1), (2, 2), (1, 2)}  # every sampling the route takes
+
+
+def test_header_info_leaves_what_it_does_not_know_to_nvjpeg():
+    """A grayscale component not sampled 1x1 (the route takes it: one component is decoded alike), and
+    samplings the route does not take: None (the decoder then asks nvJPEG)."""
+    from backends.preprocess.nvjpeg import header_info
+
+    for layer in (((1, 2, 2, 0),),  # grayscale, sampled 2x2
+                  ((1, 4, 1, 0), (2, 1, 1, 1), (3, 1, 1, 1)),  # 4:1:1
+                  ((1, 2, 2, 0), (2, 2, 2, 1), (3, 2, 2, 1)),  # 4:4:4 written with 2x2 everywhere
+                  ((1, 2, 2, 0), (2, 1, 1, 1))):  # two components
+        header = jpeg_header.JpegHeader(size=(33, 17), mode="L" if len(layer) == 1 else "RGB", layer=layer)
+        assert header_info(header) is None, layer

@@ -170,6 +170,24 @@ def test_self_check_covers_every_sampling_the_gpu_path_takes():
     assert any(a == b == "L" for a, b in zip(samplings, samplings[1:]))
 
 
+def test_self_check_meets_both_ways_to_the_planes():
+    """The self-check's images reach the hardware decoder with their planes from the walked header
+    (header_info) and from nvJPEG's own header read, both for every size and sampling (4:4:0, one file,
+    the first way only)."""
+    from backends.preprocess.decode import HeaderOnly
+    from backends.preprocess.nvjpeg import header_info
+
+    blobs = jpeg_gpu.self_check_images()
+    handles = jpeg_gpu.self_check_handles(blobs)
+    ways: dict = {}
+    for blob, sampling, handle in zip(blobs, _samplings(blobs), handles):
+        walked = isinstance(handle, HeaderOnly)
+        assert not walked or header_info(handle.header) is not None
+        ways.setdefault((Image.open(io.BytesIO(blob)).size, sampling), set()).add(walked)
+    assert ways.pop(((67, 45), (1, 2))) == {True}
+    assert all(w == {True, False} for w in ways.values()) and len(ways) == 4 * 4, ways
+
+
 def test_the_exact_decode_corpus_holds_every_sampling_without_opencv():
     """tests/gpu compares the whole corpus with Pillow: 4:4:0 comes from committed files, not from an
     OpenCV that may be missing."""
@@ -622,3 +640,52 @@ def test_the_gpu_decoder_decodes_its_jpegs_in_batches_of_limited_pixels(monkeypa
     assert pre.decode_stats == Counter({("gpu", ""): 6, ("pillow", "not_jpeg"): 1})
     want, _, _ = Preprocessor(MediaConfig())(blobs)
     assert got.shape == want.shape
+
+
+def _gray_sampled(blob: bytes, factors: int) -> bytes:
+    """A grayscale JPEG with its one component's sampling byte set to `factors` (e.g. 0x22): still one
+    component, decoded alike, but not the 1x1 that header_info knows."""
+    out = bytearray(blob)
+    for i, marker, _ in header_segments(blob):
+        if marker in (0xC0, 0xC1):
+            assert out[i + 9] == 1  # one component: (id, sampling, table) at i + 10
+            out[i + 11] = factors
+    return bytes(out)
+
+
+def test_planes_come_from_the_walked_header_and_nvjpeg_reads_only_the_others(monkeypatch):
+    """A JPEG opened by jpeg_header (a HeaderOnly, what a request gets for a plain file) has its planes from
+    that header: nvJPEG's header read (info) is not asked for it; one Pillow opened, or a header
+    header_info does not know (a grayscale component sampled 2x2), is read by nvJPEG as before. The
+    hardware decoder's own verdict (unsupported) is asked for every one, and the planes are the same."""
+    from backends.preprocess.decode import HeaderOnly, open_image
+
+    monkeypatch.setattr(jpeg_color, "ycc_to_rgb_batch", _batch_reference)
+    asked = []
+
+    class Recording(_WrongDecoder):
+        def info(self, data):
+            asked.append(("info", blobs.index(data)))
+            return super().info(data)
+
+        def unsupported(self, data, info):
+            asked.append(("unsupported", blobs.index(data)))
+            return None
+
+        def decode_planes(self, datas, infos):
+            planes.extend(infos)
+            return super().decode_planes(datas, infos)
+
+    blobs = [_img(subsampling=2), _img(subsampling=0), _img("L"), _gray_sampled(_img("L", size=(33, 17)), 0x22)]
+    walked = [open_image(b, k, 1 << 20) for k, b in enumerate(blobs)]
+    assert all(isinstance(img, HeaderOnly) for img in walked)
+    dec = object.__new__(GpuJpegDecoder)
+    dec.decoder, dec.stats = Recording(None), Counter()
+    planes = []
+    dec.decode(blobs, walked)
+    assert asked == [("unsupported", 0), ("unsupported", 1), ("unsupported", 2), ("info", 3), ("unsupported", 3)]
+    from_headers = list(planes)
+    asked.clear(), planes.clear()
+    dec.decode(blobs, [Image.open(io.BytesIO(b)) for b in blobs])  # Pillow's handles: nvJPEG reads each
+    assert asked == [(what, k) for k in range(4) for what in ("info", "unsupported")]
+    assert planes == from_headers and dec.stats == Counter({("gpu", ""): 8})
