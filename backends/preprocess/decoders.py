@@ -16,7 +16,7 @@ was asked); the GPU JPEG decoder counts what it gives back, and its own frames o
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,9 +48,9 @@ class Decoding(Protocol):
     def refusal(self, index: int, image) -> str | None:
         """None if this decoder takes image `index`, else why not (a decode_stats reason)."""
 
-    def frames(self, frames: Sequence[Frame]) -> Iterator[torch.Tensor | None]:
-        """The frames routed to it, decoded in order to device RGB uint8 (H, W, 3); None for a frame it
-        gives back (counted by it): Pillow decodes that one."""
+    def frames(self, frames: Sequence[Frame]) -> Generator[torch.Tensor | None, None, None]:
+        """The frames routed to it, decoded in order to device RGB uint8 (H, W, 3) as they are pulled;
+        None for a frame it gives back (counted by it): Pillow decodes that one."""
 
     def settle(self) -> dict[int, str]:
         """After a pass over the request: {image: why} for the answers it takes back ({} where all stand)."""
@@ -97,7 +97,7 @@ class PillowDecoder:
     def close(self) -> None:
         pass
 
-    def frames(self, frames: Sequence[Frame]) -> Iterator[torch.Tensor]:
+    def frames(self, frames: Sequence[Frame]) -> Generator[torch.Tensor, None, None]:
         """Counted now (their answers are final), decoded as they are pulled."""
         self.stats.update((self.name, f.why or "no_gpu") for f in frames)
         return self._ahead(list(frames))
@@ -121,7 +121,7 @@ class PillowDecoder:
             return pixels.pin_memory().to(self.device, non_blocking=True)
         return pixels.to(self.device)
 
-    def _ahead(self, frames: list[Frame]) -> Iterator[torch.Tensor]:
+    def _ahead(self, frames: list[Frame]) -> Generator[torch.Tensor, None, None]:
         """`frames` in order as device tensors, the host work done up to DECODE_AHEAD frames ahead on the
         host threads."""
         if len(frames) <= 1:

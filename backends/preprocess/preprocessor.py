@@ -62,16 +62,16 @@ def _joined(frames: list[torch.Tensor]) -> torch.Tensor:
     return frames[0] if len(frames) == 1 else stacked(frames, frames[0].numel())
 
 
-def route(decodings: Sequence[Decoding], frames: Sequence[Frame]) -> list[tuple[Decoding, Frame]]:
-    """Each frame with the first decoder that takes it, `why` set to the first refusal (None if it was
-    the first asked)."""
+def route(decodings: Sequence[Decoding], frames: Sequence[Frame]) -> list[tuple[int, Frame]]:
+    """Each frame with the place in line of the first decoder that takes it, its `why` set to the first
+    refusal (None where that decoder was the first asked)."""
     routed = []
     for f in frames:
         why = None
-        for d in decodings:
+        for n, d in enumerate(decodings):
             refusal = d.refusal(f.index, f.image)
             if refusal is None:
-                routed.append((d, replace(f, why=why)))
+                routed.append((n, replace(f, why=why)))
                 break
             why = why or refusal
         else:
@@ -124,15 +124,15 @@ class Preprocessor:
         decoding its own frames in order as they are wanted. A frame a decoder gives back is decoded by
         Pillow, here."""
         routed = route(decodings, [Frame(i, images[i], m.plan) for m in plans for i in m.frames])
-        streams = {id(d): d.frames([f for e, f in routed if e is d]) for d in decodings}
+        streams = [d.frames([f for k, f in routed if k == n]) for n, d in enumerate(decodings)]
         try:
-            for d, f in routed:
-                rgb = next(streams[id(d)])
+            for n, f in routed:
+                rgb = next(streams[n])
                 if rgb is None:  # given back (and counted) by its decoder
                     rgb = self.pillow.frame(f)
                 yield self._resize(rgb, f.plan)
         finally:
-            for stream in streams.values():
+            for stream in streams:
                 stream.close()
 
     def __call__(self, blobs: Sequence[bytes], media_frames=None, cancelled=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
