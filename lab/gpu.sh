@@ -36,13 +36,13 @@ fi
 export PYTHONPATH=/tmp/site:$PWD KIMI_STUB_SITE=/tmp/np1
 if [[ -d /tmp/fa4/flash_attn ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
 perf_setup() {
-  [[ -x /tmp/perf/bin/perf_analyzer ]] && return 0
+  export LD_LIBRARY_PATH=/tmp/perf/b64/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  [[ -x /tmp/perf/bin/perf_analyzer ]] && return 0  # a warm machine's, from an earlier call
   mkdir -p /tmp/perf/bin
   python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.whl/perf/perf_analyzer.xz'), open('/tmp/perf/bin/perf_analyzer','wb'))"
   chmod +x /tmp/perf/bin/perf_analyzer
   dpkg -x .whl/perf/libb64-0d_*.deb /tmp/perf/b64
   python3 -m pip install -q --no-index --no-deps --target /tmp/perf .whl/perf/nvidia_cuda_runtime_cu12-*.whl
-  export LD_LIBRARY_PATH=/tmp/perf/b64/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 }
 random_checkpoint() {  # written once per machine; config.json comes last, so its presence means complete
   [[ -f /tmp/kimi-random/config.json ]] || python3 -m oracles.random_checkpoint /tmp/kimi-random > /dev/null
