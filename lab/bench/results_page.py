@@ -47,6 +47,23 @@ def replace_section(page: str, name: str, body: str) -> str:
     return page.rstrip("\n") + "\n\n" + block
 
 
+def sections(page: str) -> dict[str, str]:
+    """name -> body of every section of a page, in order."""
+    found = re.finditer(r"<!-- section: (\S+) -->\n## \1\n\n(.*?)\n<!-- end: \1 -->\n", page, re.S)
+    return {m.group(1): m.group(2) for m in found}
+
+
+def merge(into: Path, pages: list[Path]) -> Path:
+    """The sections of `pages` (e.g. what several calls on the GPU machine brought back, each with the
+    sections it wrote) written into `into`, later pages winning; the other sections of `into` stay."""
+    page = into.read_text() if into.exists() else _header(into.stem)
+    for other in pages:
+        for name, body in sections(other.read_text()).items():
+            page = replace_section(page, name, body)
+    into.write_text(page)
+    return into
+
+
 def write_section(device: str, name: str, body: str, results_dir: Path = RESULTS_DIR) -> Path:
     """Rewrite section `name` of this machine kind's page; returns the page's path."""
     kind = machine_kind(device)
@@ -55,3 +72,11 @@ def write_section(device: str, name: str, body: str, results_dir: Path = RESULTS
     results_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(replace_section(page, name, body))
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 4 or sys.argv[1] != "merge":
+        raise SystemExit("usage: python -m lab.bench.results_page merge INTO PAGE [PAGE ...]")
+    print(merge(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]]))

@@ -20,3 +20,15 @@ def test_section_names_cannot_break_the_markers():
     with pytest.raises(ValueError, match="section name"):
         replace_section("", "two words", "x")
     assert "<!-- end: 8x448 -->" in replace_section("# page\n", "8x448", "body")
+
+
+def test_pages_from_several_calls_merge_section_by_section(tmp_path):
+    from lab.bench.results_page import merge, sections
+
+    a = write_section("cpu", "perf-1024", "call one", tmp_path / "a")
+    b = write_section("cpu", "soak", "call two", tmp_path / "b")
+    write_section("cpu", "perf-1024", "call three", tmp_path / "c")
+    into = tmp_path / "cpu.md"
+    into.write_text(replace_section("# page\n", "old", "kept"))
+    merge(into, [a, b, tmp_path / "c" / "cpu.md"])
+    assert sections(into.read_text()) == {"old": "kept", "perf-1024": "call three", "soak": "call two"}
