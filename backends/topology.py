@@ -11,6 +11,10 @@ multiplies placeholders by counts already checked, so it cannot fail with the en
 2.51 never answers a request whose parallel steps both fail; docs/triton_runtime.md#known-server-limitations).
 No ensemble output feeds a later step: a step that needs one reads its _FORWARD copy (an internal
 tensor in lower case), so that a client may ask for any subset of the outputs.
+
+The embedding cache (backends/cache): preprocessing sends the encoder each media's key and which media it
+left undecoded because the encoder holds their rows; the encoder also gets the request's IMAGES, from
+which it preprocesses such a media itself should its rows be gone by then (evicted meanwhile).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
-                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER,
-                      PLACEHOLDER_BATCHED, PREPROCESS, PREPROCESS_BATCHED)
+                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
+                      PLACEHOLDER, PLACEHOLDER_BATCHED, PREPROCESS, PREPROCESS_BATCHED)
 
 # The Python models and what each does (the adapter class its model.py names, backends/serving/triton_models.py).
 ADAPTERS = {PLACEHOLDER: "PlaceholderModel", PREPROCESS: "PreprocessModel", ENCODER: "EncoderModel"}
@@ -51,9 +55,11 @@ class Ensemble:
             {"model_name": self.preprocess, "model_version": -1,
              "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, INPUT_IDS: INPUT_IDS},
              "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws",
-                            counts: counts, counts + FORWARD_SUFFIX: "image_token_counts"}},
+                            counts: counts, counts + FORWARD_SUFFIX: "image_token_counts",
+                            MEDIA_KEYS: "media_keys", MEDIA_CACHED: "media_cached"}},
             {"model_name": self.encoder, "model_version": -1,
-             "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws"},
+             "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws", MEDIA_KEYS: "media_keys",
+                           MEDIA_CACHED: "media_cached", IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES},
              "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS}},
             {"model_name": self.placeholder, "model_version": -1,
              "input_map": {INPUT_IDS: INPUT_IDS, counts: "image_token_counts"},

@@ -32,6 +32,9 @@ INPUT_IDS, IMAGES, MEDIA_FRAMES = "INPUT_IDS", "IMAGES", "MEDIA_FRAMES"
 EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS = "EXPANDED_IDS", "IMAGE_EMBEDS", "GRID_THWS", "IMAGE_TOKEN_COUNTS"
 # Between the steps.
 PIXEL_VALUES = "PIXEL_VALUES"
+# Each media's cache key (UINT8 [M, 32]) and whether preprocessing left its pixels out because the encoder
+# holds its rows (BOOL [M]); backends/cache.
+MEDIA_KEYS, MEDIA_CACHED = "MEDIA_KEYS", "MEDIA_CACHED"
 # A step output that is also an ensemble output is emitted twice, once under this suffix for the next
 # step: tritonserver 2.51 prunes steps wrongly when a client asks for a subset of the outputs and an
 # ensemble output also feeds a later step (docs/triton_runtime.md#known-server-limitations).

@@ -4,6 +4,9 @@ from any of the accepted layouts (weights.py), the embedded demo's seeded weight
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 from backends.checkpoint.config import load_config
 
 
@@ -23,4 +26,21 @@ def load_model(checkpoint: str, device: str = "cpu", dtype=None, config=None):
     return load_vision_model(checkpoint, device=device, dtype=dtype, config=config)
 
 
-__all__ = ["load_config", "load_model"]
+def identity(checkpoint: str) -> str:
+    """What tells this checkpoint's weights from another's, cheaply: its folder, the bytes of its config
+    and index files, and each weight file's name, size and modification time (a cache key includes it:
+    backends/cache/keys.py). "demo" for the embedded demo."""
+    if not checkpoint:
+        return "demo"
+    root = Path(checkpoint).resolve()
+    h = hashlib.blake2b(str(root).encode(), digest_size=16)
+    for path in sorted(root.iterdir()):
+        if path.suffix == ".json":
+            h.update(path.name.encode() + path.read_bytes())
+        elif path.suffix == ".safetensors":
+            stat = path.stat()
+            h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+__all__ = ["identity", "load_config", "load_model"]

@@ -442,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         mps_default = env_flag("KIMI_MPS", False)
         encoder_instances = env_int("KIMI_ENCODER_INSTANCES", 1)
         preprocess_instances = env_int("KIMI_PREPROCESS_INSTANCES", 0)
+        cache_bytes = byte_size(os.environ["KIMI_CACHE_BYTES"], "KIMI_CACHE_BYTES") if os.environ.get("KIMI_CACHE_BYTES") else None
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
@@ -464,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=preprocess_instances,
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
+    ap.add_argument("--cache-bytes", type=_size_argument, default=cache_bytes,
+                    help="the embedding cache's budget per encoder instance, e.g. 4G or 512M (default 4G on a GPU, "
+                         "1G on CPU; 0 turns the cache off): a media sent again is answered from it")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
                     default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
@@ -471,6 +475,29 @@ def build_parser() -> argparse.ArgumentParser:
                          "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str, what: str) -> int:
+    """'4G', '512M', '1048576' -> bytes (binary units; a trailing B or iB is allowed); anything else raises
+    naming `what`."""
+    value = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = value.rstrip("KMGT"), value[len(value.rstrip("KMGT")):]
+    try:
+        if unit not in _UNITS or float(number) < 0:
+            raise ValueError
+        return int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{what}={text!r}: expected a size such as 4G, 512M or 0") from None
+
+
+def _size_argument(text: str) -> int:
+    try:
+        return byte_size(text, "--cache-bytes")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
@@ -510,7 +537,8 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     try:  # the settings and the checkpoint's config, read now: a mistake is one line, not a traceback
         dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
-                         encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances)
+                         encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
+                         cache_bytes=args.cache_bytes)
         dep.vision
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", flush=True)

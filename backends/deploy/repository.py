@@ -17,12 +17,14 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from backends import topology
+from backends.cache.keys import KEY_BYTES
 from backends.checkpoint import load_config
 from backends.config import Limits, VisionConfig
 from backends.serving.settings import ModelSettings
-from backends import topology
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES,
-                      INPUT_IDS, MEDIA_FRAMES, PIXEL_VALUES, PLACEHOLDER, PREPROCESS)
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
+                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
+                      PLACEHOLDER, PREPROCESS)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
@@ -30,6 +32,11 @@ SOURCE_REPOSITORY = REPO_ROOT / "model_repository"
 # a batching twin runs its base model's model.py; the batched ensemble's folder holds what the plain one's does.
 MODELS = topology.MODELS
 SOURCE_OF = {**topology.TWINS, BATCHED_ENSEMBLE: ENSEMBLE}
+
+
+# The embedding cache's default budget per encoder instance: a few hundred 1024^2 images' rows of the
+# real model on a GPU (19.6 MB each in BF16), host memory on CPU.
+CACHE_DEFAULT_BYTES = {"gpu": 4 << 30, "cpu": 1 << 30}
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,19 @@ class Deployment:
     batch_delay_us: int = 0
     max_queue: int = 16  # requests waiting for moonvit3d; beyond, refused
     cuda_graphs: int = 16  # encoder CUDA graphs kept per instance (per exact grid list; 0 = off; GPU only)
+    # The embedding cache's budget per encoder instance (backends/cache), in its memory (GPU memory on a
+    # GPU); None: CACHE_DEFAULT_BYTES for the device; 0: off.
+    cache_bytes: int | None = None
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device must be 'cpu' or 'gpu', got {self.device!r}")
         if self.preprocess_instances == 0:
             object.__setattr__(self, "preprocess_instances", 2 if self.device == "gpu" else 1)
+        if self.cache_bytes is None:
+            object.__setattr__(self, "cache_bytes", CACHE_DEFAULT_BYTES[self.device])
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be 0 (off) or more, got {self.cache_bytes}")
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -142,7 +156,8 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
     # The encoder keeps CUDA graphs on a GPU (backends/encoder/graphs.py).
     graphs = dep.cuda_graphs if name == ENCODER and dep.device == "gpu" else 0
     params = {
-        **ModelSettings(checkpoint=dep.checkpoint, limits=dep.limits, cuda_graphs=graphs, vision=dep.vision).parameters(),
+        **ModelSettings(checkpoint=dep.checkpoint, limits=dep.limits, cuda_graphs=graphs, cache_bytes=dep.cache_bytes,
+                        vision=dep.vision).parameters(),
         # Triton's own: GPU instances take their inputs where the previous step left them (no host round-trip).
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
     }
@@ -179,10 +194,15 @@ def _io(dep: Deployment) -> dict[str, tuple[list, list]]:
              _tensor(counts, "TYPE_INT64", [-1], optional=True)],
             [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),
              _tensor(grids + FORWARD_SUFFIX, "TYPE_INT64", [-1, 3]), _tensor(counts, "TYPE_INT64", [-1]),
-             _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1])],
+             _tensor(counts + FORWARD_SUFFIX, "TYPE_INT64", [-1]),
+             _tensor(MEDIA_KEYS, "TYPE_UINT8", [-1, KEY_BYTES]), _tensor(MEDIA_CACHED, "TYPE_BOOL", [-1])],
         ),
         ENCODER: (
-            [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3])],
+            [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]),
+             # The embedding cache: optional, so that a direct caller may send pixels and grids alone.
+             _tensor(MEDIA_KEYS, "TYPE_UINT8", [-1, KEY_BYTES], optional=True),
+             _tensor(MEDIA_CACHED, "TYPE_BOOL", [-1], optional=True),
+             _tensor(IMAGES, "TYPE_STRING", [-1], optional=True), MEDIA_FRAMES_SPEC],
             [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
         ),
         "contract": (

@@ -135,9 +135,13 @@ class Preprocessor:
             for stream in streams:
                 stream.close()
 
-    def __call__(self, blobs: Sequence[bytes], media_frames=None, cancelled=None) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
+    def __call__(self, blobs: Sequence[bytes], media_frames=None, cancelled=None,
+                 skip: frozenset[int] = frozenset()) -> tuple[torch.Tensor, np.ndarray, list[MediaPlan]]:
         """Returns pixel_values (N, 3, p, p) on `device`, grid_thws (M, 3) int64 on the host, plans.
-        `cancelled()`, if given, is asked before each media: True raises RequestCancelled.
+        `cancelled()`, if given, is asked before each media: True raises RequestCancelled. The media
+        numbered in `skip` (the encoder holds their rows: backends/cache) are planned from their headers
+        but not decoded: pixel_values holds the other media's patches, in order; grid_thws and plans hold
+        every media's.
 
         The decoders start their part of the request before the headers are read (the GPU JPEG decoder
         its scan checks, which then run on their own C threads beside the rest). An image a decoder takes
@@ -148,30 +152,32 @@ class Preprocessor:
         try:
             for d in self.decoders:
                 decodings.append(d.start(blobs, self.limits.max_image_pixels))
-            return self._passes(decodings, blobs, media_frames, cancelled)
+            return self._passes(decodings, blobs, media_frames, cancelled, skip)
         finally:
             for d in decodings:
                 d.close()
 
-    def _passes(self, decodings: Sequence[Decoding], blobs, media_frames, cancelled):
+    def _passes(self, decodings: Sequence[Decoding], blobs, media_frames, cancelled, skip):
         images = self.open(blobs)
         plans = self.plan(images, media_frames)
+        wanted = [m for n, m in enumerate(plans) if n not in skip]
+        grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
         while True:  # twice at most: a file's check gives the same answer every time
             counted = Counter(self.decode_stats)  # a pass done again is counted once
-            result = self._compute(decodings, images, plans, cancelled)
+            result = self._compute(decodings, images, wanted, cancelled)
             refused = {}
             for d in decodings:
                 refused.update(d.settle())
             if not refused:
-                return (*result, plans)
+                return result, grid_thws, plans
             del result  # before the next pass allocates its own
             log.info("images %s go to Pillow after their scan checks (%s); preprocessing the request again",
                      sorted(refused), ", ".join(sorted(set(refused.values()))))
             self.decode_stats.clear()
             self.decode_stats.update(counted)  # the next pass routes and counts them anew
 
-    def _compute(self, decodings, images, plans, cancelled) -> tuple[torch.Tensor, np.ndarray]:
-        """pixel_values and grid_thws (see __call__); provisional answers not yet settled."""
+    def _compute(self, decodings, images, plans, cancelled) -> torch.Tensor:
+        """pixel_values of `plans`' media (see __call__); provisional answers not yet settled."""
         chunks = []
         # closing: if a later step fails, the frames decoded ahead are cancelled now, not at some
         # garbage collection (the traceback keeps this frame, and so the generator, alive).
@@ -199,8 +205,7 @@ class Preprocessor:
             pixel_values = chunks[0]
         else:
             pixel_values = torch.cat(chunks) if chunks else torch.empty((0, 3, p, p), dtype=self.out_dtype, device=self.device)
-        grid_thws = np.asarray([m.plan.grid_thw for m in plans], dtype=np.int64).reshape(-1, 3)
-        return pixel_values, grid_thws
+        return pixel_values
 
     def _patchify(self, pixels: torch.Tensor, plan: ResizePlan) -> torch.Tensor:
         if tuple(pixels.shape[-3:]) != (plan.height, plan.width, 3):

@@ -10,6 +10,11 @@ them).
 - kimi_vision_decodes_total{model,path,reason}: images decoded on the GPU, or by Pillow and why.
 - kimi_vision_step_seconds{model}: histogram of the time our code spends on a request in each model
   (host time: on a GPU, kernels still running when a step returns finish in Triton's compute output).
+- kimi_vision_cache_hits_total{model}, kimi_vision_cache_misses_total{model},
+  kimi_vision_cache_evictions_total{model} (media looked up in the embedding cache, and blocks evicted
+  to stay in its budget) and the gauge kimi_vision_cache_bytes{model,instance} (the rows it holds), from
+  each encoder instance whose cache is on (backends/cache/store.py).
+
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
   that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
   in moonvit3d also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
@@ -98,6 +103,10 @@ class ModelMetrics:
             ("kimi_vision_patches_total", kinds.COUNTER, "Patches (14 x 14 pixels) preprocessed"),
             ("kimi_vision_decodes_total", kinds.COUNTER, "Images decoded, by path (gpu, pillow) and why Pillow"),
             ("kimi_vision_step_seconds", getattr(kinds, "HISTOGRAM", None), "Time our code spends on a request, by model"),
+            ("kimi_vision_cache_hits_total", kinds.COUNTER, "Media whose embedding rows the cache held"),
+            ("kimi_vision_cache_misses_total", kinds.COUNTER, "Media looked up in the embedding cache and encoded"),
+            ("kimi_vision_cache_evictions_total", kinds.COUNTER, "Row blocks evicted from the embedding cache"),
+            ("kimi_vision_cache_bytes", kinds.GAUGE, "Bytes of embedding rows the cache holds, per encoder instance"),
             ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
              "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved, cached"),
         ):
@@ -130,6 +139,31 @@ class ModelMetrics:
     def decodes(self, counts: dict) -> None:
         for (path, reason), n in counts.items():
             self._add("kimi_vision_decodes_total", n, path=path, reason=reason or "-")
+
+    def watch_cache(self, cache) -> None:
+        """Send an embedding cache's counts (backends/cache/store.py) with every flush: the counters as
+        they grew, the bytes held as a gauge. None: nothing to watch."""
+        self._cache, self._cache_sent = cache, {"hits": 0, "misses": 0, "evictions": 0, "bytes": -1}
+        if cache is not None:
+            self._started()
+
+    def _send_cache(self) -> None:
+        cache = getattr(self, "_cache", None)
+        if cache is None:
+            return
+        now = cache.counts()
+        for kind in ("hits", "misses", "evictions"):
+            grown = now[kind] - self._cache_sent[kind]
+            if grown > 0:
+                metric = self._metric(f"kimi_vision_cache_{kind}_total", ())
+                if metric is not None:
+                    metric.increment(grown)
+                self._cache_sent[kind] = now[kind]
+        if now["bytes"] != self._cache_sent["bytes"]:
+            metric = self._metric("kimi_vision_cache_bytes", (("instance", self.instance),))
+            if metric is not None:
+                metric.set(now["bytes"])
+            self._cache_sent["bytes"] = now["bytes"]
 
     def step_time(self, seconds: float) -> None:
         with self._lock:
@@ -198,6 +232,10 @@ class ModelMetrics:
                     metric.increment(value)
             except Exception:  # noqa: BLE001
                 log.exception("%s: could not count %s", self.model, family)
+        try:
+            self._send_cache()
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not send the cache's counts", self.model)
         if observed:
             try:
                 metric = self._metric("kimi_vision_step_seconds", ())

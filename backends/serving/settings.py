@@ -17,6 +17,7 @@ class ModelSettings:
     device: str = "cpu"  # where this instance computes: "cpu" or "cuda:<id>" (from Triton, not the parameters)
     limits: Limits = Limits()
     cuda_graphs: int = 0  # encoder graphs to keep (backends/encoder/graphs.py); 0 = eager
+    cache_bytes: int = 0  # the embedding cache's budget per encoder instance (backends/cache); 0 = off
     vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON
 
     def parameters(self) -> dict[str, str]:
@@ -27,6 +28,7 @@ class ModelSettings:
                   "vision_config": self.vision.to_json()}
         if self.cuda_graphs:
             params["cuda_graphs"] = str(self.cuda_graphs)
+        params["cache_bytes"] = str(self.cache_bytes)
         return params
 
     @classmethod
@@ -38,4 +40,5 @@ class ModelSettings:
         # (never the demo's for a checkpoint).
         vision = VisionConfig.from_json(params["vision_config"]) if params.get("vision_config") else load_config(checkpoint)
         return cls(checkpoint=checkpoint, device=device, limits=limits,
-                   cuda_graphs=int(params.get("cuda_graphs", 0)), vision=vision)
+                   cuda_graphs=int(params.get("cuda_graphs", 0)), cache_bytes=int(params.get("cache_bytes", 0)),
+                   vision=vision)

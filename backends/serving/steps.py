@@ -9,19 +9,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from backends.cache.keys import KEY_BYTES, media_key
+from backends.cache.store import EmbeddingCache
 from backends.config import Limits, VisionConfig
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
-from backends.preprocess.media import plan_media, split_media
+from backends.preprocess.media import check_image_count, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
-from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, PIXEL_VALUES
+from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, MEDIA_CACHED, MEDIA_KEYS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
 
@@ -100,31 +103,48 @@ class PlaceholderStep:
 
 class PreprocessStep:
     """IMAGES (+ MEDIA_FRAMES, + INPUT_IDS to check first, + IMAGE_TOKEN_COUNTS to cross-check)
-    -> PIXEL_VALUES + GRID_THWS + IMAGE_TOKEN_COUNTS.
+    -> PIXEL_VALUES + GRID_THWS + IMAGE_TOKEN_COUNTS + MEDIA_KEYS + MEDIA_CACHED.
 
     The ensemble's first step: given INPUT_IDS it refuses a prompt that breaks the 1:1 rule before
     any image byte is read, so that a bad request fails here, in one step, and kimi_placeholder
     (which then only expands ids) can run beside the encoder without ever failing with it: tritonserver
     2.51 never answers a request whose parallel steps both fail
     (docs/triton_runtime.md#known-server-limitations).
+
+    With the embedding cache on (`cache_context`: backends/cache/keys.py), each media gets its key, and a
+    media that every encoder instance holds (`held(key)`: backends/cache/index.py) is planned from its
+    header but not decoded: its patches are left out of PIXEL_VALUES and MEDIA_CACHED says so.
     """
 
     def __init__(self, cfg: VisionConfig, limits: Limits = Limits(), device: str = "cpu",
-                 out_dtype: torch.dtype = torch.float32):
+                 out_dtype: torch.dtype = torch.float32, cache_context: bytes | None = None, held=None):
         self.cfg = cfg
         self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
+        self.cache_context, self.held = cache_context, held
+
+    def keys(self, images: Sequence[bytes], media_frames=None) -> list[bytes]:
+        """Each media's cache key, in order; [] with the cache off."""
+        if self.cache_context is None:
+            return []
+        check_image_count(len(images), self.pre.limits)  # hash no more bytes than a request may bring
+        return [media_key(self.cache_context, [images[i] for i in frames], is_video)
+                for frames, is_video in split_media(len(images), media_frames, self.cfg.media)]
 
     def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None,
                  cancelled=None, input_ids=None):
         if input_ids is not None:
             check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
-        pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled)
+        keys = self.keys(images, media_frames)
+        skip = frozenset(n for n, key in enumerate(keys) if self.held is not None and self.held(key))
+        pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled, skip=skip)
         counts = [m.plan.num_tokens for m in plans]
         if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:
             raise RequestError(f"IMAGE_TOKEN_COUNTS {np.asarray(expected_counts).tolist()} does not match "
                                f"the images' {counts}", "bad_counts")
         return {PIXEL_VALUES: pixel_values, GRID_THWS: grid_thws,
-                IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64)}
+                IMAGE_TOKEN_COUNTS: np.asarray(counts, dtype=np.int64),
+                MEDIA_KEYS: np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, KEY_BYTES).copy(),
+                MEDIA_CACHED: np.asarray([n in skip for n in range(len(plans))], dtype=bool)}
 
 
 class HeldCount:
@@ -146,19 +166,38 @@ class HeldCount:
 
 @dataclass
 class EncoderRequest:
-    pixel_values: torch.Tensor  # (N, 3, p, p)
-    grid_thws: np.ndarray  # (M, 3) int64, host
+    pixel_values: torch.Tensor  # (N, 3, p, p): the patches of every media not marked in `cached`, in order
+    grid_thws: np.ndarray  # (M, 3) int64, host: every media's grid
+    keys: list[bytes] | None = None  # each media's cache key (backends/cache/keys.py); None: no caching
+    cached: np.ndarray | None = None  # (M,) bool: media whose patches preprocessing left out (rows expected held)
+    # media index -> its patches, for a media left out whose rows are gone by now (evicted meanwhile)
+    fallback: Callable[[int], torch.Tensor] | None = None
+
+
+@dataclass
+class _Media:
+    """One media of a request in a batch: its rows from the cache, or the patches to encode."""
+
+    grid: tuple[int, int, int]
+    key: bytes | None
+    rows: torch.Tensor | None = None
+    pixels: torch.Tensor | None = None
 
 
 class EncoderStep:
     """Runs several requests' media in one varlen forward and splits the embeddings back per request.
 
-    A request whose inputs are inconsistent fails alone; if the joint forward itself fails, each
-    request is retried on its own so one bad request cannot take the batch down.
+    With an embedding cache (backends/cache/store.py), a media whose key the cache holds is not encoded:
+    its rows are the ones first computed for it; the others are encoded once per batch (two requests
+    with the same new media share one), put in the cache, and every request's rows are assembled in
+    its media's order. A request whose inputs are inconsistent fails alone; if the joint forward itself
+    fails, each request is retried on its own so one bad request cannot take the batch down, and
+    nothing of a failed forward is cached.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0):
+    def __init__(self, model, cuda_graphs: int = 0, cache: EmbeddingCache | None = None):
         self.model = model
+        self.cache = cache if cache is not None and cache.enabled else None
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
         self.forward = model
         self._graphed = None
@@ -170,14 +209,14 @@ class EncoderStep:
         self._held = HeldCount(self, model.device)
 
     def cached_bytes(self) -> int:
-        """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers and the per-grid
-        tables (RoPE, resized position embeddings). They grow towards their bounds as new shapes
-        arrive; allocated memory beyond them that grows is a leak.
+        """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers, the per-grid
+        tables (RoPE, resized position embeddings) and the embedding cache's rows. They grow towards
+        their bounds as new shapes and media arrive; allocated memory beyond them that grows is a leak.
 
         Counted on the request thread after each batch, and only when the graphs or a cached table may
         have changed; other threads (the metrics sender) read the last count and never touch the
         graphs themselves, so no graph is ever freed on their side."""
-        return self._held.bytes
+        return self._held.bytes + (self.cache.bytes if self.cache is not None else 0)
 
     def held_key(self) -> tuple:
         """Changes whenever what this step's graphs or the per-grid caches hold may have changed."""
@@ -190,10 +229,19 @@ class EncoderStep:
         grid = np.asarray(req.grid_thws)
         if grid.ndim != 2 or grid.shape[1] != 3:
             raise RequestError(f"GRID_THWS must have shape [M, 3], got {list(grid.shape)}", "bad_tensor")
+        for name, given in (("MEDIA_KEYS", req.keys), ("MEDIA_CACHED", req.cached)):
+            if given is not None and len(given) != grid.shape[0]:
+                raise RequestError(f"{name} names {len(given)} media but GRID_THWS has {grid.shape[0]}", "bad_tensor")
+        sent = as_grid_list(grid[~self._left_out(req)]) if grid.shape[0] else []
         try:  # shapes, patch count, merge divisibility, frames, RoPE range
-            check_pixels(self.model.cfg, tuple(req.pixel_values.shape), as_grid_list(grid))
+            check_pixels(self.model.cfg, tuple(req.pixel_values.shape), sent)
         except ValueError as exc:
             raise RequestError(str(exc), "bad_tensor") from None
+
+    @staticmethod
+    def _left_out(req: EncoderRequest) -> np.ndarray:
+        m = np.asarray(req.grid_thws).reshape(-1, 3).shape[0]
+        return np.zeros(m, dtype=bool) if req.cached is None else np.asarray(req.cached, dtype=bool).reshape(-1)
 
     def run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         try:
@@ -203,44 +251,91 @@ class EncoderStep:
 
     def _run_batch(self, requests: Sequence[EncoderRequest]) -> list[torch.Tensor | Exception]:
         results: list[torch.Tensor | Exception] = [None] * len(requests)  # type: ignore[list-item]
-        good = []
+        good: list[tuple[int, list[_Media]]] = []
         for i, req in enumerate(requests):
             try:
                 self.check(req)
-                good.append(i)
+                good.append((i, self._media(req)))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 results[i] = exc
         if not good:
             return results
         try:
-            embeds = self._forward([requests[i] for i in good])
+            for (i, _), rows in zip(good, self._encode([media for _, media in good])):
+                results[i] = rows
         except Exception as exc:  # noqa: BLE001 - isolate the failure to the request that caused it
             if len(good) == 1:  # nothing to isolate: running it again would only fail again
-                results[good[0]] = exc
+                results[good[0][0]] = exc
                 return results
             log.exception("joint encoder forward failed; retrying requests one by one")
-            for i in good:
+            for i, media in good:
                 try:
-                    results[i] = self._forward([requests[i]])[0]
+                    results[i] = self._encode([media])[0]
                 except Exception as exc:  # noqa: BLE001
                     results[i] = exc
-            return results
-        for i, e in zip(good, embeds):
-            results[i] = e
         return results
 
-    def _forward(self, reqs: Sequence[EncoderRequest]) -> list[torch.Tensor]:
-        grids = np.concatenate([np.asarray(r.grid_thws, dtype=np.int64).reshape(-1, 3) for r in reqs])
-        device = self.model.device
-        # Cast each request before joining: an empty (text-only) request must not promote the batch.
-        # One request (the plain ensemble, a batch of one) is used where it lies: no copy.
-        parts = [r.pixel_values.to(device, self.model.dtype, non_blocking=True) for r in reqs]
-        pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.forward(pixels, grids)
-        # Split on host-known token counts: no device read.
-        sizes = [self._tokens(r.grid_thws) for r in reqs]
-        return list(torch.split(out, sizes))
+    def _media(self, req: EncoderRequest) -> list[_Media]:
+        """The request's media: rows the cache holds, else the patches to encode (from PIXEL_VALUES, or
+        from the fallback for one left out whose rows are gone)."""
+        grids = as_grid_list(req.grid_thws)
+        left_out = self._left_out(req)
+        out, offset = [], 0
+        for m, grid in enumerate(grids):
+            key = req.keys[m] if req.keys else None
+            patches = grid[0] * grid[1] * grid[2]
+            rows = self.cache.get(key) if self.cache is not None and key is not None else None
+            pixels = None
+            if not left_out[m]:
+                pixels = req.pixel_values[offset:offset + patches]
+                offset += patches
+            elif rows is None:
+                if req.fallback is None:
+                    raise RequestError(f"media {m} was sent without its patches (MEDIA_CACHED) and this encoder "
+                                       f"does not hold its rows", "bad_tensor")
+                pixels = req.fallback(m)
+            out.append(_Media(tuple(grid), key, rows=rows, pixels=None if rows is not None else pixels))
+        return out
 
-    def _tokens(self, grid_thws) -> int:
-        grid = np.asarray(grid_thws, dtype=np.int64).reshape(-1, 3)
-        return int((grid[:, 1] * grid[:, 2]).sum() // self.merge_tokens)
+    def _encode(self, requests: list[list[_Media]]) -> list[torch.Tensor]:
+        """Each request's rows, in its media's order: one forward over the media to encode (each key
+        once), the cache filled from it."""
+        todo: list[_Media] = []
+        first: dict[bytes, _Media] = {}
+        for media in requests:
+            for md in media:
+                if md.rows is not None:
+                    continue
+                if md.key is not None and md.key in first:
+                    continue  # the same media earlier in the batch: encoded once
+                todo.append(md)
+                if md.key is not None:
+                    first[md.key] = md
+        if todo:
+            device = self.model.device
+            # Cast each part before joining: an empty part must not promote the batch. One part is used
+            # where it lies: no copy.
+            parts = [md.pixels.to(device, self.model.dtype, non_blocking=True) for md in todo]
+            pixels = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out = self.forward(pixels, np.asarray([md.grid for md in todo], dtype=np.int64))
+            # Split on host-known token counts: no device read.
+            for md, rows in zip(todo, torch.split(out, [self._tokens(md.grid) for md in todo])):
+                md.rows = rows
+            if self.cache is not None:
+                for md in todo:
+                    if md.key is not None:
+                        self.cache.put(md.key, md.rows)
+        answers = []
+        for media in requests:
+            rows = [md.rows if md.rows is not None else first[md.key].rows for md in media]
+            if len(rows) == 1:
+                answers.append(rows[0])
+            elif rows:
+                answers.append(torch.cat(rows))
+            else:
+                answers.append(torch.empty((0, self.model.cfg.text_hidden_size), dtype=self.model.dtype,
+                                           device=self.model.device))
+        return answers
+
+    def _tokens(self, grid) -> int:
+        return int(grid[1] * grid[2]) // self.merge_tokens

@@ -19,13 +19,17 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from backends.cache import keys as cache_keys
+from backends.cache.index import SHM, KeyTable, KeyTables, server_prefix
+from backends.cache.store import EmbeddingCache
 from backends.errors import RequestCancelled, RequestError
+from backends.preprocess.media import split_media
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from backends.serving.settings import ModelSettings
 from backends.serving.steps import EncoderRequest, EncoderStep, PlaceholderStep, PreprocessStep, throttled
-from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_FRAMES,
-                      PIXEL_VALUES)
+from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
+                      MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES)
 
 log = logging.getLogger("kimi_vision")
 
@@ -237,12 +241,26 @@ def _decodes_counted(metrics: ModelMetrics, pre):
         metrics.decodes({k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)})
 
 
+def _cache_context(settings: ModelSettings, dtype: torch.dtype) -> bytes | None:
+    """The part of every media's cache key this deployment shares (None: the cache is off)."""
+    if settings.cache_bytes <= 0:
+        return None
+    from backends.checkpoint import identity
+
+    return cache_keys.context(identity(settings.checkpoint), settings.vision.to_json(), str(dtype))
+
+
 class PreprocessModel(_Adapter):
     name = "kimi_preprocess"
 
     def setup(self):
+        dtype = _out_dtype(self.config, PIXEL_VALUES)
+        context = _cache_context(self.settings, dtype)
+        prefix = server_prefix() if context is not None else None
+        # Which media the encoders hold, so that those are not decoded (a hint: backends/cache/index.py).
+        held = KeyTables(prefix).held if prefix else None
         self.step = PreprocessStep(self.settings.vision, self.settings.limits, device=self.settings.device,
-                                   out_dtype=_out_dtype(self.config, PIXEL_VALUES))
+                                   out_dtype=dtype, cache_context=context, held=held)
 
     def respond(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
@@ -270,7 +288,48 @@ class EncoderModel(_Adapter):
     name = "moonvit3d"
 
     def setup(self):
-        self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs)
+        self.table = None
+        cache = None
+        if self.settings.cache_bytes > 0:
+            prefix = server_prefix()
+            if prefix:  # the keys it holds, published for preprocessing (backends/cache/index.py)
+                self.table = KeyTable(SHM / f"{prefix}cache_{self.instance_name}")
+            cache = EmbeddingCache(self.settings.cache_bytes, on_put=self.table and self.table.add,
+                                   on_evict=self.table and self.table.remove)
+        self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs,
+                                cache=cache)
+        self._fallback_step = None
+        self.metrics.watch_cache(cache)
+
+    def _fallback(self, inputs: _Inputs):
+        """media index -> its patches, preprocessed here from the request's IMAGES: for a media that
+        preprocessing left out because the encoder held its rows, which are gone by now."""
+        def patches(m: int) -> torch.Tensor:
+            if self._fallback_step is None:
+                model = self.step.model
+                self._fallback_step = PreprocessStep(self.settings.vision, self.settings.limits,
+                                                     device=str(model.device), out_dtype=model.dtype)
+            images = inputs.bytes_list(IMAGES, optional=True)
+            if images is None:
+                raise RequestError(f"media {m} was sent without its patches and without IMAGES", "bad_tensor")
+            frames = inputs.numpy(MEDIA_FRAMES, optional=True)
+            indices, is_video = split_media(len(images), frames, self.settings.vision.media)[m]
+            out = self._fallback_step([images[i] for i in indices], media_frames=[len(indices)] if is_video else None)
+            return out[PIXEL_VALUES]
+        return patches
+
+    def _request(self, inputs: _Inputs) -> EncoderRequest:
+        keys = inputs.numpy(MEDIA_KEYS, optional=True)
+        cached = inputs.numpy(MEDIA_CACHED, optional=True)
+        return EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS),
+                              keys=[k.tobytes() for k in keys] if keys is not None and len(keys) else None,
+                              cached=cached, fallback=self._fallback(inputs))
+
+    def finalize(self):
+        table = getattr(self, "table", None)
+        if table is not None:
+            table.close()
+        super().finalize()
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
@@ -282,7 +341,7 @@ class EncoderModel(_Adapter):
                 if cancelled:  # dropped from the batch: nobody waits for its embeddings
                     raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
-                parsed.append((inputs, EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS))))
+                parsed.append((inputs, self._request(inputs)))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
