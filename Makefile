@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
 PERF_DIR := $(VENV)/perf_analyzer
 PERF_STAMP := $(PERF_DIR)/.installed
 
-DEVICE ?= auto
+DEVICE ?= $(or $(KIMI_DEVICE),auto)
 CHECKPOINT ?= $(KIMI_VISION_CHECKPOINT)
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001

@@ -4,6 +4,11 @@
 # environment (KIMI_DEVICE, KIMI_VISION_CHECKPOINT, KIMI_ENCODER_INSTANCES, KIMI_PREPROCESS_INSTANCES,
 # KIMI_ADMIN_KEY, KIMI_MPS); extra arguments go to tritonserver.
 set -euo pipefail
-ckpt="${KIMI_VISION_CHECKPOINT:-/checkpoint}"
-[[ -f "${ckpt}/config.json" ]] || ckpt=""  # nothing mounted: the embedded demo model
+# KIMI_VISION_CHECKPOINT, when set, is taken as it is (a wrong path stops the launcher with one line);
+# unset, the mount at /checkpoint if it holds a checkpoint, else the embedded demo model.
+ckpt="${KIMI_VISION_CHECKPOINT-}"
+if [[ -z "${KIMI_VISION_CHECKPOINT+set}" ]]; then
+  ckpt=/checkpoint
+  [[ -f "${ckpt}/config.json" ]] || ckpt=""
+fi
 exec python3 -m backends.deploy.launcher --checkpoint "${ckpt}" --repository-dir /tmp/model_repository -- "$@"

@@ -46,7 +46,7 @@ def corpus() -> list[tuple[str, bytes]]:
     out.append(("333x222 420 exif", _save(img, quality=90, subsampling=2, exif=exif.tobytes())))
     out.append(("333x222 444 icc", _save(img, quality=90, subsampling=0, icc_profile=b"\0" * 128 + b"fake icc")))
     out.append(("333x222 420 optimized", _save(img, quality=90, subsampling=2, optimize=True)))
-    # 4:4:0 (h1v2): Pillow cannot write it; OpenCV wrote these once (tools/make_440_jpegs.py).
+    # 4:4:0 (h1v2): Pillow cannot write it; OpenCV wrote these once (lab/tools/make_440_jpegs.py).
     for q in (50, 95):
         out.append((f"259x97 440 q{q} (OpenCV)", (DATA / f"440_259x97_q{q}.jpg").read_bytes()))
     return out

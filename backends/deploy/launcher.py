@@ -77,6 +77,8 @@ class TritonInstall:
     def system(cls, binary: Path) -> "TritonInstall":
         """An installed server: <prefix>/bin/tritonserver with its backends in <prefix>/backends."""
         binary = binary.resolve()
+        if not binary.is_file() or not os.access(binary, os.X_OK):
+            raise RuntimeError(f"{binary} is not an executable tritonserver (--tritonserver, KIMI_TRITONSERVER)")
         return cls(binary, binary.parent.parent / "backends")
 
     @classmethod
@@ -141,10 +143,6 @@ class Ports:
     http: int = 8000
     grpc: int = 8001
     metrics: int = 8002
-
-    @classmethod
-    def free(cls) -> "Ports":
-        return cls(*free_ports(3))
 
 
 # The API groups an admin key protects (--admin-key): registering shared memory maps client memory
@@ -293,8 +291,11 @@ class TritonServer:
             self.trace_file.parent.mkdir(parents=True, exist_ok=True)
         env = server_env(self.install, stub_bin(STUB_ENV), self.env)
         self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
-        if stream_log:
-            self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
+        if stream_log:  # to our standard output and to the log file, which a failed start is read from
+            self.proc = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            threading.Thread(target=_tee, args=(self.proc.stdout, self.log_path), name="kimi-server-log",
+                             daemon=True).start()
         else:
             with open(self.log_path, "w") as out:  # the child keeps its own copy of the descriptor
                 self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -412,6 +413,16 @@ class TritonServer:
         self.stop()
 
 
+def _tee(pipe, log_path: Path) -> None:
+    """tritonserver's output, line by line, to our standard output and to `log_path`, until it closes."""
+    with pipe, open(log_path, "wb") as log_file:
+        for line in pipe:
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+            log_file.write(line)
+            log_file.flush()
+
+
 def _live_in_group(pgid: int) -> bool:
     """Whether a process of group `pgid` is still running (zombies do not count)."""
     return any(pgrp == pgid and state != "Z" for _, state, _, pgrp, _ in processes())
@@ -442,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         mps_default = env_flag("KIMI_MPS", False)
         encoder_instances = env_int("KIMI_ENCODER_INSTANCES", 1)
         preprocess_instances = env_int("KIMI_PREPROCESS_INSTANCES", 0)
+        env_flag("KIMI_GPU_JPEG", True)  # read by the GPU stubs; a bad word stops us here, not their load
         cache_bytes = byte_size(os.environ["KIMI_CACHE_BYTES"], "KIMI_CACHE_BYTES") if os.environ.get("KIMI_CACHE_BYTES") else None
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
@@ -460,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"'<header>=<value>': the {ADMIN_APIS} APIs answer only requests carrying it")
     ap.add_argument("--trace-file", type=Path, default=os.environ.get("KIMI_TRACE_FILE") or None,
                     help="let tritonserver trace requests into this file (each traced request into <file>.<n>) once "
-                         "tracing is turned on through its trace API (README: Trace a request); off until then")
+                         "tracing is turned on through its trace API (docs/operations.md#trace-a-request); off until then")
     ap.add_argument("--encoder-instances", type=int, default=encoder_instances,
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=preprocess_instances,
@@ -471,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
                     default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
-                         "model instances' kernels share the GPU (README: Scale out; with --encoder-instances 2 for "
+                         "model instances' kernels share the GPU (docs/operations.md#scale-out; with --encoder-instances 2 for "
                          "1024^2-sized images). Not where the host already runs one: pass its CUDA_MPS_PIPE_DIRECTORY instead")
     ap.add_argument("extra", nargs="*", help="further tritonserver flags, after --")
     return ap
@@ -530,9 +542,12 @@ def main(argv=None) -> int:
     taken = port_check.taken(args.address, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})
     if taken:  # before anything starts: a readiness probe would otherwise reach whoever holds the port
         for line in taken:
-            print(f"error: {line}", flush=True)
-        print("choose free ones with --http-port, --grpc-port and --metrics-port "
-              "(make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)", flush=True)
+            _error(line)
+        if any("already in use" in line for line in taken):
+            _error("choose free ones with --http-port, --grpc-port and --metrics-port "
+                   "(make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=...)", prefix="")
+        else:
+            _error("listen on an address of this host with --address (KIMI_ADDRESS)", prefix="")
         return 2
     device = resolve_device(args.device)
     try:  # the settings and the checkpoint's config, read now: a mistake is one line, not a traceback
@@ -540,8 +555,9 @@ def main(argv=None) -> int:
                          encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
                          cache_bytes=args.cache_bytes)
         dep.vision
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", flush=True)
+        args.install = TritonInstall.find(args.tritonserver)
+    except (OSError, ValueError, RuntimeError) as exc:
+        _error(str(exc))
         return 2
     reaper = Reaper()  # from here on, whatever this launch starts goes with it, however it ends
     args.reaper = reaper
@@ -573,6 +589,8 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
     # one checkout never share one, and a restart reuses this launch's rendering, never another's.
     own = args.repository_dir is None
     repository = args.repository_dir or BUILD / f"model_repository-{device}-{os.getpid()}"
+    if own and getattr(args, "reaper", None) is not None:
+        args.reaper.remove_later(repository)  # should this launcher be killed outright
     try:
         return _serve_rendered(args, device, dep, daemon, repository)
     finally:
@@ -583,7 +601,8 @@ def _render_and_serve(args, device: str, dep: Deployment, daemon: mps.Daemon | N
 def _serve_rendered(args, device: str, dep: Deployment, daemon: mps.Daemon | None, repository: Path) -> int:
     server = deployment_server(dep, device,
                                repository=repository, ports=Ports(args.http_port, args.grpc_port, args.metrics_port),
-                               install=TritonInstall.find(args.tritonserver), extra_args=tuple(args.extra),
+                               install=getattr(args, "install", None) or TritonInstall.find(args.tritonserver),
+                               extra_args=tuple(args.extra),
                                address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None,
                                trace_file=args.trace_file, reaper=getattr(args, "reaper", None))
     print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
@@ -599,30 +618,38 @@ def _serve_rendered(args, device: str, dep: Deployment, daemon: mps.Daemon | Non
 def _serve(server) -> int:
     """Serves in the foreground until SIGTERM / SIGINT, then drains and stops (exit status 0); or until
     tritonserver cannot be started, then says why in one line (exit status 1)."""
-    stop = threading.Event()
+    # A plain flag, not an Event: the handler runs on the main thread, which may hold an Event's lock
+    # inside its own wait at that moment (Event.set() there would wait for that lock for ever).
+    asked = {"stop": False}
 
     def on_signal(*_):  # SIGTERM from an orchestrator, or Ctrl-C: drain in-flight requests and exit
-        stop.set()
+        asked["stop"] = True
         server.request_stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         server.start(stream_log=True)
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError) as exc:
         server.stop(0)
-        if stop.is_set():  # asked to stop while starting
+        if asked["stop"]:  # asked to stop while starting
             return 0
-        print(f"error: tritonserver did not start: {first_line(exc)}", flush=True)
+        _error(f"tritonserver did not start: {first_line(exc)}")
         return 1
     print("ready", flush=True)
-    while not stop.wait(1.0):
+    while not asked["stop"]:
+        time.sleep(0.2)
         if server.gave_up:  # it kept failing to come back after a restart, the same way each time
             server.stop(0)
-            print(f"error: tritonserver did not come back after a restart: {server.gave_up}", flush=True)
+            _error(f"tritonserver did not come back after a restart: {server.gave_up}")
             return 1
     server.stop()
     return 0
+
+
+def _error(line: str, prefix: str = "error: ") -> None:
+    """A user's mistake or a start that failed: one line on stderr."""
+    print(f"{prefix}{line}", file=sys.stderr, flush=True)
 
 
 def first_line(exc: BaseException) -> str:

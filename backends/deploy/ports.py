@@ -7,6 +7,7 @@ first and stops with one line naming the port and, where /proc tells, the proces
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
@@ -25,17 +26,23 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def port_taken(address: str, port: int) -> bool:
-    """Whether binding `address:port` for listening fails now (as tritonserver's would: it sets
-    SO_REUSEADDR, so a port left in TIME_WAIT does not count as taken)."""
+def bind_error(address: str, port: int) -> OSError | None:
+    """Why binding `address:port` for listening fails now (as tritonserver's would: it sets SO_REUSEADDR,
+    so a port left in TIME_WAIT binds), or None where it binds."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((address, port))
-        except OSError:
-            return True
-    return False
+        except (OSError, UnicodeError) as exc:  # UnicodeError: an address no resolver takes
+            return exc if isinstance(exc, OSError) else OSError(str(exc))
+    return None
+
+
+def port_taken(address: str, port: int) -> bool:
+    """Whether another socket holds `address:port`."""
+    error = bind_error(address, port)
+    return error is not None and error.errno == errno.EADDRINUSE
 
 
 def _listening_inodes(port: int, proc: Path) -> set[str]:
@@ -77,8 +84,13 @@ def taken(address: str, ports: dict[str, int]) -> list[str]:
     """One line per asked-for port that is not free: what it is for, and who holds it where known."""
     problems = []
     for what, port in ports.items():
-        if port_taken(address, port):
+        error = bind_error(address, port)
+        if error is None:
+            continue
+        if error.errno == errno.EADDRINUSE:
             holder = port_holder(port)
             problems.append(f"the {what} port {port} on {address} is already in use"
                             + (f" by {holder}" if holder else ""))
+        else:  # an address of no interface here, a name that does not resolve, a port below 1024 ...
+            problems.append(f"cannot listen on {address}:{port} for {what}: {error.strerror or error}")
     return problems

@@ -1,18 +1,21 @@
-"""Whatever the launcher starts dies with it, even when the launcher itself is killed outright (SIGKILL,
-the OOM killer, `make` giving up on a drain): no tritonserver, stub or /dev/shm region outlives it.
+"""What the launcher starts dies with it, even when the launcher itself is killed outright (SIGKILL, the
+OOM killer, `make` giving up on a drain): no tritonserver, stub, /dev/shm region or rendered repository
+outlives it. (An MPS daemon started with --mps is stopped by the launcher's own exit path only.)
 
 The launcher's own stop does this in order (drain, kill, clean); this covers the case where it never
 runs. A small process of its own session (`python -m backends.deploy.reaper`) reads from a pipe whose
 only writer is the launcher: each server the launcher starts is announced on it ("group <pgid>",
-"shm <prefix>"), each it stopped itself is taken back ("forget <pgid>"). When the pipe ends (the
-launcher is gone, however it went), the reaper kills the process groups still announced (the stubs exit
-with their server) and removes the /dev/shm regions under the announced prefixes. Tests and benchmarks,
+"shm <prefix>", "dir <path>"), each server it stopped itself is taken back ("forget <pgid>"). When the pipe
+ends (the launcher is gone, however it went), the reaper kills the process groups still announced (the
+stubs exit with their server), removes the /dev/shm regions under the announced prefixes and the
+announced folders. Tests and benchmarks,
 which stop their servers themselves, do not start one.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +43,9 @@ class Reaper:
         if shm_prefix:
             self._say(f"shm {shm_prefix}")
 
+    def remove_later(self, folder: Path) -> None:
+        self._say(f"dir {folder}")
+
     def forget(self, pgid: int) -> None:
         self._say(f"forget {pgid}")
 
@@ -60,8 +66,9 @@ def _alive(pgid: int) -> bool:
         return False
 
 
-def reap(groups: set[int], prefixes: set[str], shm: Path = Path("/dev/shm"), wait_s: float = 5.0) -> None:
-    """Kill the groups, wait for them to go (their stubs leave with them), remove the regions."""
+def reap(groups: set[int], prefixes: set[str], folders: set[str] = frozenset(), shm: Path = Path("/dev/shm"),
+         wait_s: float = 5.0) -> None:
+    """Kill the groups, wait for them to go (their stubs leave with them), remove the regions and folders."""
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
@@ -73,11 +80,13 @@ def reap(groups: set[int], prefixes: set[str], shm: Path = Path("/dev/shm"), wai
     for prefix in prefixes:
         for region in shm.glob(f"{prefix}*"):
             region.unlink(missing_ok=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def watch(lines) -> tuple[set[int], set[str]]:
-    """What is still announced when the stream ends."""
-    groups, prefixes = set(), set()
+def watch(lines) -> tuple[set[int], set[str], set[str]]:
+    """What is still announced when the stream ends: process groups, region prefixes, folders."""
+    groups, prefixes, folders = set(), set(), set()
     for line in lines:
         kind, _, value = line.strip().partition(" ")
         if kind == "group":
@@ -86,7 +95,9 @@ def watch(lines) -> tuple[set[int], set[str]]:
             groups.discard(int(value))
         elif kind == "shm":
             prefixes.add(value)
-    return groups, prefixes
+        elif kind == "dir":
+            folders.add(value)
+    return groups, prefixes, folders
 
 
 def main() -> int:

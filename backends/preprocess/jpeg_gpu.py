@@ -70,7 +70,7 @@ def pillow_reason(img: Image.Image) -> str | None:
     return None
 
 
-# 4:4:0 (h1v2), which Pillow decodes but cannot write; OpenCV wrote it once (tools/make_440_jpegs.py).
+# 4:4:0 (h1v2), which Pillow decodes but cannot write; OpenCV wrote it once (lab/tools/make_440_jpegs.py).
 SELF_CHECK_440 = Path(__file__).with_name("selfcheck_440.jpg")
 
 

@@ -193,9 +193,10 @@ class HardwareJpegDecoder:
         Before the decode, the host waits for the current stream's earlier work, the previous decode's
         included (docs/jpeg_decoding.md#one-hardware-decode-at-a-time). nvJPEG's hardware decoder is not
         ordered after that work the way a kernel is: it may write its output before earlier work has
-        read the memory the allocator handed over; and the fused pipeline, which queued decodes behind
-        earlier work with no such wait, now and then hung on the H200 with its preprocessing stream
-        never finishing, which the wait ended (the exact trigger was not isolated). Where requests are
+        read the memory the allocator handed over; and a pipeline that queued decodes behind earlier work
+        with no such wait (since removed: docs/findings.md#one-model-instead-of-the-ensemble) now and then
+        hung on the H200 with its preprocessing stream never finishing, which the wait ended (the exact
+        trigger was not isolated). Where requests are
         answered one at a time the stream is idle by then, and the wait costs nothing."""
         stream = torch.cuda.current_stream(self.device)
         stream.synchronize()

@@ -1,4 +1,5 @@
 """`make test` from a fresh clone of a commit, timed, as CI runs it: set-up included (pip's cache warm).
+CPU only: it writes the CPU page (CI's machines have no GPU).
 
     python -m lab.bench.fresh_clone [--rev HEAD] [--target test] [--section make-test]
 
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     text = "\n".join([f"$ python -m lab.bench.fresh_clone {' '.join(sys.argv[1:] if argv is None else argv)}",
                       f"{platform.node()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}: `make {args.target}` "
                       f"from a fresh clone of {rev}, set-up included: exit {proc.returncode}, "
-                      f"{wall // 60:.0f} min {wall % 60:.0f} s",
+                      "{} min {} s".format(*divmod(round(wall), 60)),
                       *(tail[-3:] or ["(no pytest summary line)"])])
     print(text)
     if proc.returncode != 0:

@@ -2,8 +2,8 @@
 
 Why: the H200 runs the encoder near its power limit, and its clock then follows the power drawn; the
 same kernels take longer at a lower clock. A figure timed in a short burst and one timed under many
-seconds of load are only comparable with their clocks beside them (lab/bench/encoder_sustained.py,
-lab/bench/perf.py). Recorded, never asserted.
+seconds of load are only comparable with their clocks beside them (lab/bench/perf.py prints them;
+docs/findings.md#the-power-limit-and-the-encoders-burst). Recorded, never asserted.
 """
 
 from __future__ import annotations
@@ -36,15 +36,13 @@ def gpu_id() -> str:
 
 
 class ClockSampler:
-    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for this process's cuda:0, and the
-    power limit it reports."""
+    """(time, SM MHz, watts) every 100 ms from `nvidia-smi -lms`, for this process's cuda:0."""
 
     def __init__(self):
         self.samples: list[tuple[float, float, float]] = []
-        self.limit_w = float("nan")
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,power.limit", "--format=csv,noheader,nounits",
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
                  "-lms", "100", "-i", gpu_id()], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except OSError:
             self.proc = None
@@ -54,7 +52,7 @@ class ClockSampler:
     def _read(self):
         for line in self.proc.stdout:
             try:
-                mhz, watts, self.limit_w = (float(x) for x in line.split(","))
+                mhz, watts = (float(x) for x in line.split(","))
             except ValueError:
                 continue
             self.samples.append((time.perf_counter(), mhz, watts))

@@ -39,24 +39,14 @@ def graph_time_ms(fn, *, iters: int = 10) -> float:
     return cuda_time_ms(graph.replay, iters=iters)
 
 
-def spin(seconds: float) -> None:
-    """Keep this thread busy for `seconds` (no sleep): a gap in which its core stays awake."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def timed(fn, iters: int, warmup: int = 2, before=None) -> list[float]:
+def timed(fn, iters: int, warmup: int = 2) -> list[float]:
     """Wall-clock milliseconds of fn() per run (host work included); a GPU, if present, is synchronized
-    before and after each run. `before()`, if given, runs ahead of each timed run, untimed (an idle
-    gap, other work)."""
+    before and after each run."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if before is not None:
-            before()
         sync()
         t0 = time.perf_counter()
         fn()

@@ -62,9 +62,12 @@ def main(argv=None) -> int:
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             while server.serving.is_set() or server.ready():
+                if time.monotonic() - killed > 60:
+                    raise SystemExit(f"the supervisor did not notice {name}'s death within 60 s")
                 time.sleep(0.02)
             noticed = time.monotonic() - killed
-            server.serving.wait(600)
+            if not server.serving.wait(600):
+                raise SystemExit(f"the server did not come back within 600 s of {name}'s death")
             ready = time.monotonic() - killed
             answered = ready + _answered(server.grpc_url, blob, time.monotonic() + 600)
             rows.append((k + 1, noticed, ready, answered))

@@ -148,7 +148,7 @@ def memory(server, instances: dict | None = None) -> dict[str, float]:
 NO_SAMPLE_VERDICT = ("reserved", "cached", "alloc", "uncached")
 # Idle `uncached` may differ by a few small device buffers (bicubic tap tables in kimi_preprocess,
 # rounded by the allocator): growth below this is not read as a leak. Half of one cuBLAS workspace
-# (32 MiB on an H200), the leak this verdict was made for (bench/results/h200-2026-12-01-fifth.md).
+# (32 MiB on an H200), the leak this verdict was made for (bench/results/h200-2026-12-01-fifth.md at 21ee467).
 IDLE_SLACK_MIB = 16
 
 

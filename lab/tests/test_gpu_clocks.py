@@ -1,4 +1,4 @@
-"""lab/lab/bench/gpu_clocks.py's pure parts (the sampler itself needs nvidia-smi: it runs on the GPU machine)."""
+"""lab/bench/gpu_clocks.py's pure parts (the sampler itself needs nvidia-smi: it runs on the GPU machine)."""
 
 from lab.bench import gpu_clocks
 

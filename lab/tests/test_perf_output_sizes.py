@@ -1,4 +1,4 @@
-"""The shared-memory region sizes lab/lab/bench/perf.py gives perf_analyzer: one request's bytes per ensemble
+"""The shared-memory region sizes lab/bench/perf.py gives perf_analyzer: one request's bytes per ensemble
 output, for the deployment that serves it (rows from the resize rule, width from the checkpoint
 config, BF16 on GPU and FP32 on CPU)."""
 

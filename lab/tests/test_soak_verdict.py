@@ -1,4 +1,4 @@
-"""The GPU soak's device-memory verdict (lab/lab/bench/soak.py), without a server: what the stubs' allocator
+"""The GPU soak's device-memory verdict (lab/bench/soak.py), without a server: what the stubs' allocator
 gauges add up to, and when idle memory outside our caches counts as a leak."""
 
 from lab.bench.soak import IDLE_SLACK_MIB, cuda_allocator, idle_verdict

@@ -46,6 +46,8 @@ def test_a_launcher_killed_outright_leaves_nothing_behind():
             assert launcher.poll() is None and time.monotonic() < deadline, "the launcher did not get ready"
             time.sleep(0.5)
         server, prefix = _server_of(launcher.pid)
+        rendered = ROOT / "build" / f"model_repository-cpu-{launcher.pid}"
+        assert rendered.is_dir()
         assert list(Path("/dev/shm").glob(f"{prefix}*")), "the stubs' regions should exist while serving"
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
@@ -58,6 +60,7 @@ def test_a_launcher_killed_outright_leaves_nothing_behind():
             time.sleep(0.2)
         assert not left, f"processes of the server's group outlived the launcher: {left}"
         assert not regions, f"regions outlived the launcher: {regions}"
+        assert not rendered.exists(), "the launch's rendered repository outlived it"
         assert not _ready(http)
     finally:
         if launcher.poll() is None:

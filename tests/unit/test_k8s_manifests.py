@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("single-gpu", "multi-gpu", "mps")
 GPUS = {"single-gpu": 1, "multi-gpu": 2, "mps": 1}
-# moonvit3d instances per GPU: one, except under MPS (overlays/mps; README, Scale out).
+# moonvit3d instances per GPU: one, except under MPS (overlays/mps; docs/operations.md#scale-out).
 ENCODERS = {"single-gpu": "1", "multi-gpu": "1", "mps": "2"}
 # Kubernetes versions the manifests must be valid for (schemas bundled by kubernetes-validate).
 K8S_VERSIONS = ("1.29", "1.33")

@@ -28,7 +28,7 @@ def test_the_launcher_stops_with_one_line_and_status_2_on_a_taken_port(capsys):
         s.listen()
         port = s.getsockname()[1]
         code = launcher.main(["--device", "cpu", "--address", "127.0.0.1", "--http-port", str(port)])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert code == 2
     assert f"error: the HTTP port {port} on 127.0.0.1 is already in use" in out
     assert "--http-port" in out and "Traceback" not in out
