@@ -73,9 +73,15 @@ $(PERF_STAMP): $(STAMP)
 # make perf                 start a server here and measure it
 # make perf URL=host:8001   measure a running server (gRPC address)
 # Each rewrites its section of lab/results/<machine>.md (lab/RESULTS.md indexes what the docs quote).
+# make perf TRACE=multiturn: chats that resend their earlier images, with the embedding cache on and off
 perf: $(PERF_STAMP)
+ifeq ($(TRACE),multiturn)
+	$(PY) -m lab.bench.multiturn --device $(DEVICE) $(CKPT_ARG) --chats 4 --turns 4 --sizes 448,640,1024 --pairs 5 \
+		--section multiturn
+else
 	$(PY) -m lab.bench.perf --device $(DEVICE) $(CKPT_ARG) --perf-dir $(PERF_DIR) --concurrency 1,2,4 --ensembles plain,batched \
 		$(if $(URL),--url $(URL),--section perf-sample)
+endif
 
 # Mixed good and bad requests at a fixed concurrency, memory sampled as it goes (lab/bench/soak.py).
 SOAK_REQUESTS ?= 2000

@@ -19,6 +19,8 @@
 #   soak        10000 mixed requests at concurrency 16, memory sampled (lab/bench/soak.py)
 #   profile     the encoder's kernels by GPU time (lab/bench/profile_encoder.py)
 #   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
+#   multiturn   chats that resend their images, the embedding cache on and off (lab/bench/multiturn.py)
+#   batchdep    whether a media's rows depend on what it was batched with (lab/bench/batch_dependence.py)
 # Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh.
 set -uo pipefail
 out=/tmp/results; mkdir -p "$out"
@@ -89,6 +91,11 @@ for stage in "$@"; do
     restart) random_checkpoint
       python3 -m lab.bench.restart --device gpu --checkpoint /tmp/kimi-random --section restart > "$out/restart.log" 2>&1
       grep -v "^[IWE]1[0-9]" "$out/restart.log" | tail -8 ;;
+    multiturn) random_checkpoint
+      python3 -m lab.bench.multiturn --device gpu --checkpoint /tmp/kimi-random --section multiturn \
+        > "$out/multiturn.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/multiturn.log" | tail -14 ;;
+    batchdep) python3 -m lab.bench.batch_dependence --section batch_dependence > "$out/batchdep.log" 2>&1
+      tail -20 "$out/batchdep.log" ;;
     profile) python3 -m lab.bench.profile_encoder --out "$out" > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;
     *) echo "unknown stage '$stage' (the stages are listed at the top of lab/gpu.sh)" >&2 ;;
   esac

@@ -153,9 +153,10 @@ class ModelMetrics:
             return
         now = cache.counts()
         for kind in ("hits", "misses", "evictions"):
+            # Made at the first flush, at 0: the series exist before the first hit or eviction.
+            metric = self._metric(f"kimi_vision_cache_{kind}_total", ())
             grown = now[kind] - self._cache_sent[kind]
             if grown > 0:
-                metric = self._metric(f"kimi_vision_cache_{kind}_total", ())
                 if metric is not None:
                     metric.increment(grown)
                 self._cache_sent[kind] = now[kind]

@@ -22,8 +22,10 @@ def placement_problems(server: TritonServer) -> list[str]:
     return [line for line in server.log_tail(10**7).splitlines() if any(p in line for p in PLACEMENT_FAILURES)]
 
 
-def start(name: str, pool: int | None = None) -> TritonServer:
-    dep = Deployment(device="gpu", gpus=torch.cuda.device_count())  # every visible GPU, a pool on each
+def start(name: str, pool: int | None = None, cache_bytes: int = 0) -> TritonServer:
+    # every visible GPU, a pool on each; the embedding cache off unless asked for, so that a request sent
+    # again runs the encoder again (the graph replays below)
+    dep = Deployment(device="gpu", gpus=torch.cuda.device_count(), cache_bytes=cache_bytes)
     return deployment_server(dep, name, cuda_pools={g: pool for g in range(dep.gpus)} if pool else dep.cuda_pools()).start()
 
 
@@ -131,3 +133,35 @@ def test_placement_check_catches_a_too_small_pool():
         assert problems or wrong, "a 1 MiB pool went unnoticed"
     finally:
         server.stop()
+
+
+def test_the_embedding_cache_answers_a_repeated_request_with_the_first_bits_on_the_gpu():
+    """With the cache on (its GPU default), the second sight of a request's images is a hit: the same
+    bits as the first, neither decoded (the GPU JPEG route included) nor encoded again."""
+    from backends.deploy.supervisor import scrape
+
+    def metric(server, name, **labels):
+        return sum(v for n, got, v in scrape(server.metrics_url)
+                   if n == name and all(got.get(k) == want for k, want in labels.items()))
+
+    server = start("gpu-cache", cache_bytes=Deployment(device="gpu").cache_bytes)
+    try:
+        blobs = images()
+        client = KimiVisionClient(server.grpc_url)
+        first = client.infer(chat_prompt_ids(3), blobs)
+        import time
+
+        time.sleep(0.5)  # the stubs send their counts every 0.2 s
+        decoded = metric(server, "kimi_vision_decodes_total", model="kimi_preprocess")
+        again = client.infer(chat_prompt_ids(3), blobs)
+        shm = client.infer(chat_prompt_ids(3), blobs, shm="cuda")
+        client.close()
+        np.testing.assert_array_equal(again.image_embeds, first.image_embeds)
+        np.testing.assert_array_equal(shm.image_embeds, first.image_embeds)
+        time.sleep(0.5)
+        assert metric(server, "kimi_vision_cache_hits_total", model="moonvit3d") == 6
+        assert metric(server, "kimi_vision_decodes_total", model="kimi_preprocess") == decoded
+        assert placement_problems(server) == []
+    finally:
+        server.stop()
+

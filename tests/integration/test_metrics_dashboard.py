@@ -14,7 +14,7 @@ from clients.samples import encode, photo_like
 from server_state import eventually
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kimi-vision-triton.json"
-PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_min", "le", "model", "kind", "reason",
+PROMQL_WORDS = {"sum", "by", "rate", "increase", "histogram_quantile", "clamp_min", "le", "model", "kind", "reason", "instance",
                 "path"}
 
 

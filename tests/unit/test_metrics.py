@@ -117,3 +117,28 @@ def test_close_does_not_wait_forever_on_a_sender_stuck_in_a_round_trip(caplog):
     finally:
         m._sending.release()
     assert any("still busy" in r.getMessage() for r in caplog.records)
+
+
+def test_the_embedding_caches_counts_go_out_as_they_grow_and_its_bytes_as_a_gauge():
+    import torch
+
+    from backends.cache.store import EmbeddingCache
+
+    pb = FakePbUtils()
+    m = ModelMetrics(pb, "moonvit3d", flush_s=3600, instance="moonvit3d_0_0")
+    cache = EmbeddingCache(800)
+    m.watch_cache(cache)
+    m.flush()  # at load: the counters exist at 0
+    assert {(f, v) for kind, f, _, v in pb.sent if kind == "set"} == {("kimi_vision_cache_bytes", 0)}
+    cache.get(b"a")
+    cache.put(b"a", torch.zeros(100))
+    cache.get(b"a")
+    cache.put(b"b", torch.zeros(150))  # evicts a
+    m.flush()
+    m.flush()  # nothing new: nothing sent again
+    incs = [(f, v) for kind, f, _, v in pb.sent if kind == "inc"]
+    assert sorted(incs) == [("kimi_vision_cache_evictions_total", 1), ("kimi_vision_cache_hits_total", 1),
+                            ("kimi_vision_cache_misses_total", 1)]
+    sets = [(f, labels, v) for kind, f, labels, v in pb.sent if kind == "set"]
+    assert sets[-1] == ("kimi_vision_cache_bytes", (("instance", "moonvit3d_0_0"), ("model", "moonvit3d")), 600)
+    m.close()
