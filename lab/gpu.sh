@@ -92,7 +92,7 @@ for stage in "$@"; do
       python3 -m lab.bench.restart --device gpu --checkpoint /tmp/kimi-random --section restart > "$out/restart.log" 2>&1
       grep -v "^[IWE]1[0-9]" "$out/restart.log" | tail -8 ;;
     multiturn) random_checkpoint
-      python3 -m lab.bench.multiturn --device gpu --checkpoint /tmp/kimi-random --section multiturn \
+      python3 -m lab.bench.multiturn --device gpu --checkpoint /tmp/kimi-random --section multiturn ${MULTITURN_ARGS:-} \
         > "$out/multiturn.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/multiturn.log" | tail -14 ;;
     batchdep) python3 -m lab.bench.batch_dependence --section batch_dependence > "$out/batchdep.log" 2>&1
       tail -20 "$out/batchdep.log" ;;

@@ -7,9 +7,10 @@ computes them with: the checkpoint, the preprocessing settings (patch limits, me
 VisionConfig), and the dtype of the embeddings. The last three are the same for every request of a
 model instance: `context` hashes them once; `media_key` adds a media's own part.
 
-BLAKE2b with a 32-byte digest: a collision would serve one image's rows for another, so the key is a
-cryptographic hash, and every length is hashed in front of its bytes so that no two splits of the same
-bytes into frames collide.
+SHA-256: a collision would serve one image's rows for another, so the key is a cryptographic hash, and
+every length is hashed in front of its bytes so that no two splits of the same bytes into frames
+collide. SHA-256 rather than BLAKE2b because CPUs hash it in hardware (SHA-NI): 0.73 against 2.1 ms for
+a 1.3 MB JPEG on our CPU machine, on the path of every request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ RULES_VERSION = b"kimi-vision-cache-1"
 
 def context(checkpoint_identity: str, vision_config_json: str, dtype: str) -> bytes:
     """The part of every key a model instance shares: the checkpoint, the resolved config, the dtype."""
-    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h = hashlib.sha256()
     for part in (RULES_VERSION, checkpoint_identity.encode(), vision_config_json.encode(), dtype.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -34,7 +35,7 @@ def context(checkpoint_identity: str, vision_config_json: str, dtype: str) -> by
 
 def media_key(ctx: bytes, frames: Sequence[bytes], is_video: bool) -> bytes:
     """One media's key: the shared context, still image or chunk, and each frame's bytes in order."""
-    h = hashlib.blake2b(ctx + (b"chunk" if is_video else b"image"), digest_size=KEY_BYTES)
+    h = hashlib.sha256(ctx + (b"chunk" if is_video else b"image"))
     h.update(len(frames).to_bytes(8, "little"))
     for frame in frames:
         h.update(len(frame).to_bytes(8, "little"))

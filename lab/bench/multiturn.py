@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     ap.add_argument("--checkpoint", default=os.environ.get("KIMI_VISION_CHECKPOINT", ""))
-    ap.add_argument("--chats", type=int, default=16)
+    ap.add_argument("--chats", type=int, default=16, help="0: only the 1024^2 miss and hit pairs")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--sizes", default="448,640,1024,1500,2048,3000", help="image sides, cycled")
     ap.add_argument("--pairs", type=int, default=10, help="1024^2 requests sent twice each (miss, then hit)")
@@ -129,12 +129,13 @@ def main(argv=None) -> int:
     gpu = device == "gpu"
     sizes = [int(s) for s in args.sizes.split(",")]
     # One trace per concurrency level, the same for both servers: each replay meets only new images first.
-    traces = {c: trace(args.chats, args.turns, sizes, seed=100_000 * n) for n, c in enumerate((1, args.chats))}
+    levels = (1, args.chats) if args.chats else ()
+    traces = {c: trace(args.chats, args.turns, sizes, seed=100_000 * n) for n, c in enumerate(levels)}
     pairs = [[encode(photo_like(1024, 1024, seed=5000 + i), "JPEG", quality=90)] for i in range(args.pairs)]
     # Room for the largest request's embeddings: every patch of a full request, 1/4 of them as rows.
     capacity = 64 << 20 if not gpu else 1 << 30
     rows, t_start = [], time.monotonic()
-    for cache_bytes in (args.cache_bytes, 0):
+    for cache_bytes in (args.cache_bytes, 0) if args.chats else (args.cache_bytes,):
         dep = Deployment(device=device, checkpoint=args.checkpoint, cache_bytes=cache_bytes)
         label = "off" if dep.cache_bytes == 0 else f"on ({dep.cache_bytes / 2**30:.1f} GiB)"
         with deployment_server(dep, f"multiturn-{device}") as server:
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
             for side in sorted(set(sizes)):  # kernels and graphs for each size before the clock runs
                 warm.send([encode(photo_like(side, side, seed=99), "JPEG", quality=90)])
             warm.close()
-            for concurrency in (1, args.chats):
+            for concurrency in levels:
                 before = cache_counts(server.metrics_url)
                 result = replay(server.grpc_url, traces[concurrency], concurrency, gpu, capacity)
                 time.sleep(0.5)  # the stubs send their counts every 0.2 s
@@ -166,7 +167,7 @@ def main(argv=None) -> int:
         rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.2f}"
         lines.append(f"| {r['cache']} | {r['concurrency']} | {r['images_per_s']:.1f} | {r['p50']:.1f} | {r['p99']:.1f} | "
                      f"{rate} | {r['held'] / 2**20:.0f} MiB |")
-    for c in (1, args.chats):
+    for c in levels:
         on, off = (next(r for r in rows if r["concurrency"] == c and (r["cache"] != "off") == want) for want in (True, False))
         lines.append(f"\nconcurrency {c}: images/s with the cache {on['images_per_s'] / off['images_per_s']:.2f}x without")
     lines.append(f"1 x 1024^2, {args.pairs} fresh images each sent twice: miss p50 {statistics.median(miss):.1f} ms, "
