@@ -20,7 +20,7 @@ from backends.cache.store import EmbeddingCache
 from backends.config import Limits, VisionConfig
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
-from backends.errors import RequestError
+from backends.errors import RequestCancelled, RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import check_image_count, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
@@ -172,6 +172,9 @@ class EncoderRequest:
     cached: np.ndarray | None = None  # (M,) bool: media whose patches preprocessing left out (rows expected held)
     # media index -> its patches, for a media left out whose rows are gone by now (evicted meanwhile)
     fallback: Callable[[int], torch.Tensor] | None = None
+    # Whether the client gave up: asked once, before the forward, of a request with media to encode
+    # (a client that gave up costs no encoder time; one the cache answers whole is answered anyway).
+    cancelled: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -255,7 +258,10 @@ class EncoderStep:
         for i, req in enumerate(requests):
             try:
                 self.check(req)
-                good.append((i, self._media(req)))
+                media = self._media(req)
+                if req.cancelled is not None and any(md.rows is None for md in media) and req.cancelled():
+                    raise RequestCancelled("cancelled by the client before the encoder ran")
+                good.append((i, media))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 results[i] = exc
         if not good:

@@ -318,12 +318,12 @@ class EncoderModel(_Adapter):
             return out[PIXEL_VALUES]
         return patches
 
-    def _request(self, inputs: _Inputs) -> EncoderRequest:
+    def _request(self, inputs: _Inputs, cancelled=None) -> EncoderRequest:
         keys = inputs.numpy(MEDIA_KEYS, optional=True)
         cached = inputs.numpy(MEDIA_CACHED, optional=True)
         return EncoderRequest(inputs.torch(PIXEL_VALUES), inputs.numpy(GRID_THWS),
                               keys=[k.tobytes() for k in keys] if keys is not None and len(keys) else None,
-                              cached=cached, fallback=self._fallback(inputs))
+                              cached=cached, fallback=self._fallback(inputs), cancelled=cancelled)
 
     def finalize(self):
         table = getattr(self, "table", None)
@@ -337,11 +337,10 @@ class EncoderModel(_Adapter):
         parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
         for request in requests:
             try:
-                cancelled = request.is_cancelled()
-                if cancelled:  # dropped from the batch: nobody waits for its embeddings
-                    raise RequestCancelled("cancelled by the client before the encoder ran")
                 inputs = self.inputs(request)
-                parsed.append((inputs, self._request(inputs)))
+                # Asked (an IPC round trip) only of a request that has media to encode: one the cache
+                # answers whole costs nothing more to finish than to drop.
+                parsed.append((inputs, self._request(inputs, cancelled=request.is_cancelled)))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))

@@ -210,3 +210,24 @@ def test_the_budget_default_and_off(tmp_path):
     with pytest.raises(ValueError, match="cache_bytes"):
         Deployment(cache_bytes=-1)
     assert Path(tmp_path).exists()
+
+
+def test_a_client_that_gave_up_costs_no_forward_but_a_whole_hit_is_answered(model):
+    from backends.errors import RequestCancelled
+
+    step = EncoderStep(model, cache=EmbeddingCache(1 << 30))
+    asked = []
+
+    def gave_up():
+        asked.append(1)
+        return True
+
+    cancelled = _request(_pre()([A]))
+    cancelled.cancelled = gave_up
+    (result,) = step.run_batch([cancelled])
+    assert isinstance(result, RequestCancelled) and len(step.cache) == 0 and asked == [1]
+    step.run_batch([_request(_pre()([A]))])  # now held
+    whole_hit = _request(_pre()([A]))
+    whole_hit.cancelled = gave_up
+    (rows,) = step.run_batch([whole_hit])
+    assert isinstance(rows, torch.Tensor) and asked == [1]  # not even asked: nothing left to save
