@@ -221,6 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--out", type=Path, default=BUILD / "soak")
     ap.add_argument("--section", default="", help="also write the report into this section of lab/results/<machine>.md")
+    ap.add_argument("--distinct", action="store_true",
+                    help="every good one-image request brings an image never sent before (the embedding cache "
+                         "fills to its budget and must then stay there)")
+    ap.add_argument("--cache-bytes", type=int, default=None, help="the embedding cache's budget (default: the device's)")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     mix = request_mix()
@@ -231,7 +235,7 @@ def main(argv=None) -> int:
     lock, counts, problems, samples = threading.Lock(), Counter(), [], []
     next_index = [0]
     t0 = time.monotonic()
-    dep = Deployment(device=device, checkpoint=args.checkpoint)
+    dep = Deployment(device=device, checkpoint=args.checkpoint, cache_bytes=args.cache_bytes)
     with deployment_server(dep, f"soak-{device}") as server:
         client = KimiVisionClient(server.grpc_url)
         before = memory(server)
@@ -252,6 +256,9 @@ def main(argv=None) -> int:
                 if i >= len(plan):
                     break
                 label, good, ids, blobs, frames, _ = mix[plan[i]]
+                if args.distinct and good and len(blobs) == 1:  # new to the server: a miss, then held
+                    side = 96 + (i % 8) * 8
+                    blobs = [encode(photo_like(side, side, seed=1_000_000 + i), "PNG")]
                 target = c_batched if i % 2 == 0 else c
                 try:
                     target.infer(ids, blobs, media_frames=frames, timeout_s=600)
@@ -284,6 +291,8 @@ def main(argv=None) -> int:
     lines = [f"$ python -m lab.bench.soak {' '.join(sys.argv[1:] if argv is None else argv)}",
              f"{platform.node()} {os.cpu_count()} CPUs, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}, {args.requests} requests at concurrency {args.concurrency}"
+             f"{', every good one-image request a new image' if args.distinct else ''}, embedding cache "
+             f"{dep.cache_bytes / 2**20:.0f} MiB, "
              f"wall {wall:.0f} s", "",
              "## One request at the limits (8 x 1792^2), memory in MiB", "",
              "| when | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]

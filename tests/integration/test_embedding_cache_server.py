@@ -84,3 +84,43 @@ def test_a_small_budget_holds_under_a_flood_of_distinct_images():
         a, b = _ask(off.grpc_url, blob), _ask(off.grpc_url, blob)
         np.testing.assert_array_equal(a.image_embeds, b.image_embeds)
         assert metric_sum(off, "kimi_vision_cache_hits_total") == 0
+
+
+def test_hits_answer_every_output_subset_and_shared_memory_path_like_the_first_answer(server):
+    from contract import EXPANDED_IDS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS
+
+    blobs = [encode(photo_like(210, 150, seed=71), "PNG"), encode(photo_like(90, 300, seed=72), "JPEG", quality=80)]
+    ids = chat_prompt_ids(2)
+    client = KimiVisionClient(server.grpc_url, model="kimi_k25_vision")  # subsets through the ensemble too
+    try:
+        first = client.infer(ids, blobs)
+        for outputs in ([IMAGE_EMBEDS], [EXPANDED_IDS, IMAGE_TOKEN_COUNTS], [IMAGE_TOKEN_COUNTS, IMAGE_EMBEDS]):
+            got = client.infer(ids, blobs, outputs=outputs)
+            if IMAGE_EMBEDS in outputs:
+                np.testing.assert_array_equal(got.image_embeds, first.image_embeds)
+            if EXPANDED_IDS in outputs:
+                assert got.expanded_ids.tolist() == first.expanded_ids.tolist()
+            assert got.token_counts is None or got.token_counts.tolist() == first.token_counts.tolist()
+        shm = client.infer(ids, blobs, shm="system")
+        np.testing.assert_array_equal(shm.image_embeds, first.image_embeds)
+        assert shm.token_counts.tolist() == first.token_counts.tolist()
+    finally:
+        client.close()
+
+
+def test_a_refused_request_leaves_nothing_in_the_cache(server):
+    held = settled(lambda: metric_sum(server, "kimi_vision_cache_bytes", model="moonvit3d"))
+    misses = settled(lambda: _cache(server)[1])
+    client = KimiVisionClient(server.grpc_url)
+    try:
+        for bad in ([b"\xff\xd8 not a jpeg"], [encode(photo_like(64, 64, seed=81), "PNG")] * 2):
+            try:
+                client.infer(chat_prompt_ids(1), bad)  # garbage; two images for one placeholder
+            except Exception:  # noqa: BLE001 - refused, as it must be
+                pass
+            else:
+                raise AssertionError("a bad request was answered")
+    finally:
+        client.close()
+    assert settled(lambda: metric_sum(server, "kimi_vision_cache_bytes", model="moonvit3d")) == held
+    assert settled(lambda: _cache(server)[1]) == misses  # never reached the encoder's lookups

@@ -231,3 +231,26 @@ def test_a_client_that_gave_up_costs_no_forward_but_a_whole_hit_is_answered(mode
     whole_hit.cancelled = gave_up
     (rows,) = step.run_batch([whole_hit])
     assert isinstance(rows, torch.Tensor) and asked == [1]  # not even asked: nothing left to save
+
+
+def test_a_changed_checkpoint_gives_other_keys(tmp_path):
+    """Weights swapped in place, or another config: the checkpoint's identity, and so every key, changes
+    (and a new server starts with an empty cache anyway)."""
+    import os
+
+    from backends.checkpoint import identity
+
+    (tmp_path / "config.json").write_text('{"vision_config": {}}')
+    shard = tmp_path / "model-00001.safetensors"
+    shard.write_bytes(b"weights one")
+    first = identity(str(tmp_path))
+    assert identity(str(tmp_path)) == first and identity("") == "demo"
+    shard.write_bytes(b"weights two, longer")  # new weights in place
+    second = identity(str(tmp_path))
+    os.utime(shard, ns=(0, 12345))  # same size, another time
+    third = identity(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"vision_config": {"vt_hidden_size": 1}}')
+    fourth = identity(str(tmp_path))
+    assert len({first, second, third, fourth}) == 4
+    keys = {media_key(context(i, DEMO_CONFIG.to_json(), "torch.bfloat16"), [A], False) for i in (first, second, third, fourth)}
+    assert len(keys) == 4
