@@ -24,7 +24,7 @@ from backends.checkpoint.seeded import seeded_model
 from backends.config import EncoderConfig, MediaConfig
 from backends.preprocess import Preprocessor
 from clients.samples import encode, photo_like
-from lab.bench.results_page import write_section
+from lab.bench.results_page import report
 
 
 def main(argv=None) -> int:
@@ -59,10 +59,7 @@ def main(argv=None) -> int:
                 lines.append(f"| {sides[n]}^2 | {', '.join(f'{sides[j]}^2' for j in ids)} | "
                              f"{torch.equal(packed, solo)} | {diff:.3g} | {rel:.3g} |")
     lines.append(f"\nlargest relative difference: {worst:.3g}")
-    text = "\n".join(lines)
-    print(text)
-    if args.section:
-        print(f"written to {write_section('gpu' if device.type == 'cuda' else 'cpu', args.section, text)}")
+    report("\n".join(lines), 'gpu' if device.type == 'cuda' else 'cpu', args.section)
     return 0
 
 

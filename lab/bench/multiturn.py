@@ -32,7 +32,7 @@ from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
-from lab.bench.results_page import write_section
+from lab.bench.results_page import report
 
 
 def trace(chats: int, turns: int, sizes: list[int], seed: int = 0) -> list[list[list[bytes]]]:
@@ -172,10 +172,7 @@ def main(argv=None) -> int:
         lines.append(f"\nconcurrency {c}: images/s with the cache {on['images_per_s'] / off['images_per_s']:.2f}x without")
     lines.append(f"1 x 1024^2, {args.pairs} fresh images each sent twice: miss p50 {statistics.median(miss):.1f} ms, "
                  f"hit p50 {statistics.median(hit):.1f} ms = {statistics.median(hit) / statistics.median(miss):.3f}x")
-    text = "\n".join(lines)
-    print(text)
-    if args.section:
-        print(f"written to {write_section(device, args.section, text)}")
+    report("\n".join(lines), device, args.section)
     return 0
 
 

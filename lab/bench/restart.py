@@ -23,7 +23,7 @@ from backends.deploy.supervisor import model_of, stub_processes
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from contract import ENCODER
-from lab.bench.results_page import write_section
+from lab.bench.results_page import report
 
 
 def _answered(url: str, blob: bytes, deadline: float) -> float:
@@ -78,10 +78,7 @@ def main(argv=None) -> int:
              "| kill of moonvit3d's stub | noticed (not ready) s | ready again s | answered again s |",
              "|---|---|---|---|"]
     lines += [f"| {k} | {a:.2f} | {b:.1f} | {c:.1f} |" for k, a, b, c in rows]
-    text = "\n".join(lines)
-    print(text)
-    if args.section:
-        print(f"written to {write_section(device, args.section, text)}")
+    report("\n".join(lines), device, args.section)
     return 0
 
 

@@ -64,6 +64,13 @@ def merge(into: Path, pages: list[Path]) -> Path:
     return into
 
 
+def report(text: str, device: str, section: str) -> None:
+    """A benchmark's report: printed, and written to `section` of this machine's page when one is named."""
+    print(text)
+    if section:
+        print(f"written to {write_section(device, section, text)}")
+
+
 def write_section(device: str, name: str, body: str, results_dir: Path = RESULTS_DIR) -> Path:
     """Rewrite section `name` of this machine kind's page; returns the page's path."""
     kind = machine_kind(device)
