@@ -12,8 +12,9 @@ multiplies placeholders by counts already checked, so it cannot fail with the en
 No ensemble output feeds a later step: a step that needs one reads its _FORWARD copy (an internal
 tensor in lower case), so that a client may ask for any subset of the outputs.
 
-The embedding cache (backends/cache): preprocessing sends the encoder each media's key and which media it
-left undecoded because the encoder holds their rows; the encoder also gets the request's IMAGES, from
+The embedding cache (backends/cache): the ensemble hands preprocessing the prompt a second time, under a
+name that tells it an encoder follows (a direct caller gets every media's pixels); preprocessing sends the
+encoder each media's key and which media it left undecoded because the encoder holds their rows; the encoder also gets the request's IMAGES, from
 which it preprocesses such a media itself should its rows be gone by then (evicted meanwhile).
 """
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENCODER_FOLLOWS, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS,
+                      IMAGE_EMBEDS,
                       IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
                       PLACEHOLDER, PLACEHOLDER_BATCHED, PREPROCESS, PREPROCESS_BATCHED)
 
@@ -53,7 +55,7 @@ class Ensemble:
         grids, counts = GRID_THWS, IMAGE_TOKEN_COUNTS
         return [
             {"model_name": self.preprocess, "model_version": -1,
-             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, INPUT_IDS: INPUT_IDS},
+             "input_map": {IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES, INPUT_IDS: INPUT_IDS, ENCODER_FOLLOWS: INPUT_IDS},
              "output_map": {PIXEL_VALUES: "pixel_values", grids: grids, grids + FORWARD_SUFFIX: "grid_thws",
                             counts: counts, counts + FORWARD_SUFFIX: "image_token_counts",
                             MEDIA_KEYS: "media_keys", MEDIA_CACHED: "media_cached"}},

@@ -35,6 +35,10 @@ PIXEL_VALUES = "PIXEL_VALUES"
 # Each media's cache key (UINT8 [M, 32]) and whether preprocessing left its pixels out because the encoder
 # holds its rows (BOOL [M]); backends/cache.
 MEDIA_KEYS, MEDIA_CACHED = "MEDIA_KEYS", "MEDIA_CACHED"
+# The prompt once more, under this name: sent only by the ensembles, it tells kimi_preprocess that an
+# encoder follows it, so that it may leave out the media the encoder holds. A direct caller, who wants
+# every media's pixels, sends INPUT_IDS alone.
+ENCODER_FOLLOWS = "INPUT_IDS_ENCODER_FOLLOWS"
 # A step output that is also an ensemble output is emitted twice, once under this suffix for the next
 # step: tritonserver 2.51 prunes steps wrongly when a client asks for a subset of the outputs and an
 # ensemble output also feeds a later step (docs/triton_runtime.md#known-server-limitations).

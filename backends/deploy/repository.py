@@ -22,7 +22,7 @@ from backends.cache.keys import KEY_BYTES
 from backends.checkpoint import load_config
 from backends.config import Limits, VisionConfig
 from backends.serving.settings import ModelSettings
-from contract import (BATCHED_ENSEMBLE, ENCODER, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
+from contract import (BATCHED_ENSEMBLE, ENCODER, ENCODER_FOLLOWS, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
                       IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
                       PLACEHOLDER, PREPROCESS)
 
@@ -190,6 +190,8 @@ def _io(dep: Deployment) -> dict[str, tuple[list, list]]:
             [_tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC,
              # Optional: the prompt, checked for the 1:1 rule before any image is read (the ensemble sends it).
              _tensor(INPUT_IDS, "TYPE_INT64", [-1], optional=True),
+             # Optional: the prompt again, sent by the ensembles alone: an encoder with a cache follows.
+             _tensor(ENCODER_FOLLOWS, "TYPE_INT64", [-1], optional=True),
              # Optional: counts a direct caller already has, cross-checked.
              _tensor(counts, "TYPE_INT64", [-1], optional=True)],
             [_tensor(PIXEL_VALUES, fp, [-1, 3, p, p]), _tensor(grids, "TYPE_INT64", [-1, 3]),

@@ -131,11 +131,14 @@ class PreprocessStep:
                 for frames, is_video in split_media(len(images), media_frames, self.cfg.media)]
 
     def __call__(self, images: Sequence[bytes], expected_counts: np.ndarray | None = None, media_frames=None,
-                 cancelled=None, input_ids=None):
+                 cancelled=None, input_ids=None, encoder_follows: bool = False):
+        """`encoder_follows`: an encoder that completes left-out media comes next (the ensembles); else
+        every media's pixels are computed."""
         if input_ids is not None:
             check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
         keys = self.keys(images, media_frames)
-        skip = frozenset(n for n, key in enumerate(keys) if self.held is not None and self.held(key))
+        held = self.held if encoder_follows else None
+        skip = frozenset(n for n, key in enumerate(keys) if held is not None and held(key))
         pixel_values, grid_thws, plans = self.pre(images, media_frames, cancelled, skip=skip)
         counts = [m.plan.num_tokens for m in plans]
         if expected_counts is not None and np.asarray(expected_counts).reshape(-1).tolist() != counts:

@@ -28,7 +28,7 @@ from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from backends.serving.settings import ModelSettings
 from backends.serving.steps import EncoderRequest, EncoderStep, PlaceholderStep, PreprocessStep, throttled
-from contract import (FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
+from contract import (ENCODER_FOLLOWS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
                       MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES)
 
 log = logging.getLogger("kimi_vision")
@@ -266,12 +266,13 @@ class PreprocessModel(_Adapter):
         images = inputs.bytes_list(IMAGES)
         counts, frames = inputs.numpy(IMAGE_TOKEN_COUNTS, optional=True), inputs.numpy(MEDIA_FRAMES, optional=True)
         input_ids = inputs.numpy(INPUT_IDS, optional=True)
+        encoder_follows = inputs.numpy(ENCODER_FOLLOWS, optional=True) is not None
         with _decodes_counted(self.metrics, self.step.pre):
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
             out = self.step(images, counts, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
-                            input_ids=input_ids)
+                            input_ids=input_ids, encoder_follows=encoder_follows)
         self.metrics.preprocessed(len(images), int(out[PIXEL_VALUES].shape[0]))
         return out
 

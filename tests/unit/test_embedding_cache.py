@@ -160,7 +160,8 @@ def test_a_failed_forward_leaves_nothing_in_the_cache(model):
 
 def test_preprocessing_leaves_held_media_undecoded_and_the_encoder_preprocesses_them_if_gone(model):
     key_a = media_key(CTX, [A], False)
-    out = _pre(held=lambda key: key == key_a)([B, A])
+    assert _pre(held=lambda key: key == key_a)([B, A])[MEDIA_CACHED].tolist() == [False, False]  # no encoder after
+    out = _pre(held=lambda key: key == key_a)([B, A], encoder_follows=True)
     assert out[MEDIA_CACHED].tolist() == [False, True]
     b_patches = int(np.prod(out[GRID_THWS][0]))
     assert out[PIXEL_VALUES].shape[0] == b_patches  # A's patches left out; its grid is still there

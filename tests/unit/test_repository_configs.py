@@ -108,7 +108,9 @@ def test_the_ensemble_runs_preprocessing_first_then_encoder_and_expansion_on_its
                                        ("kimi_k25_vision_batched", "kimi_preprocess_batched", "kimi_placeholder_batched")):
         steps = {s.model_name: s for s in model_configs(Deployment())[ensemble].ensemble_scheduling.step}
         assert list(steps) == [pre, "moonvit3d", placeholder]
-        assert dict(steps[pre].input_map) == {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", "INPUT_IDS": "INPUT_IDS"}
+        assert dict(steps[pre].input_map) == {"IMAGES": "IMAGES", "MEDIA_FRAMES": "MEDIA_FRAMES", "INPUT_IDS": "INPUT_IDS",
+                                              # the prompt again: an encoder follows (backends/cache)
+                                              "INPUT_IDS_ENCODER_FOLLOWS": "INPUT_IDS"}
         assert dict(steps[placeholder].input_map) == {"INPUT_IDS": "INPUT_IDS", "IMAGE_TOKEN_COUNTS": "image_token_counts"}
         assert steps[pre].output_map["IMAGE_TOKEN_COUNTS_FORWARD"] == "image_token_counts"
 
