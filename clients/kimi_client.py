@@ -14,6 +14,7 @@ takes it too): a co-located client then sends no image bytes through gRPC or HTT
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
@@ -86,7 +87,7 @@ class KimiVisionClient:
         `triton-grpc-protocol-<header>`, which is how tritonserver reads it there."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
-        self.protocol, self.batched = protocol, batched
+        self.url, self.protocol, self.batched = url, protocol, batched
         self._embeds_row: int | None = None  # bytes per IMAGE_EMBEDS row, from the model config once
         self.model = model or (BATCHED_MODEL if batched else MODEL)
         # Ids and counts alone go to kimi_placeholder (headers only) unless a model was named.
@@ -106,6 +107,34 @@ class KimiVisionClient:
 
     def close(self):
         self.client.close()
+
+    @contextlib.contextmanager
+    def explained(self):
+        """The server's error, with what to do about it where the message alone would leave a user guessing
+        (a restricted API, a model name, the other protocol's port); the same exception type."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            yield
+        except InferenceServerException as exc:
+            hint = self._hint(exc.message() or str(exc))
+            if hint is None:
+                raise
+            raise InferenceServerException(f"{exc.message()}; {hint}", exc.status(), exc.debug_details()) from None
+
+    def _hint(self, message: str) -> str | None:
+        if "is restricted, expecting header" in message and not self.headers:
+            return ("the server guards this API with a key: KimiVisionClient(url, admin_key='<header>=<value>'), "
+                    "the CLI's --admin-key or KIMI_ADMIN_KEY (the launcher's --admin-key)")
+        if "unknown model" in message.lower():
+            return (f"this client asks '{self.model}'; the service's ensembles are {contract.ENSEMBLE} and "
+                    f"{contract.BATCHED_ENSEMBLE} (KimiVisionClient(url, batched=True))")
+        if any(s in message for s in ("Socket closed", "failed to connect", "Connection refused", "Broken pipe",
+                                       "Connection reset")):
+            port, other = ("gRPC", "HTTP") if self.protocol == "grpc" else ("HTTP", "gRPC")
+            return (f"is {self.url} the server's {port} port? (by default 8001 is gRPC and 8000 HTTP; "
+                    f"protocol='{other.lower()}' for the other)")
+        return None
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
               shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
@@ -218,7 +247,8 @@ class KimiVisionClient:
             # is given (and sets none when every input is in shared memory): a stale length would cut
             # the next request's JSON short.
             kwargs["headers"] = dict(self.headers)
-        return self.client.infer(self._model_for([o.name() for o in outputs]), inputs, outputs=outputs, **kwargs)
+        with self.explained():
+            return self.client.infer(self._model_for([o.name() for o in outputs]), inputs, outputs=outputs, **kwargs)
 
     def _model_for(self, wanted: Sequence[str]) -> str:
         """Ids and counts alone come from kimi_placeholder, which reads only the images' headers; in the
@@ -252,7 +282,8 @@ class KimiVisionClient:
             if images_size:
                 shm.set_shared_memory_region(h_in, parts, offset=ids.nbytes)
             for name, size in ((in_name, max(in_size, 1)), (out_name, capacity)):
-                self.client.register_system_shared_memory(name, f"/{name}", size, **self._h())
+                with self.explained():
+                    self.client.register_system_shared_memory(name, f"/{name}", size, **self._h())
                 cleanup.unregister(name, "system")
             a, b = self._inputs(ids, blobs)
             a.set_shared_memory(in_name, ids.nbytes)
@@ -370,7 +401,8 @@ class ImagesRegion:
         name = f"kimi_images_{uuid.uuid4().hex[:12]}"
         handle = self._shm.create_shared_memory_region(name, f"/{name}", capacity)
         try:
-            self.client.client.register_system_shared_memory(name, f"/{name}", capacity, **self.client._h())
+            with self.client.explained():
+                self.client.client.register_system_shared_memory(name, f"/{name}", capacity, **self.client._h())
         except Exception:
             self._shm.destroy_shared_memory_region(handle)
             raise
@@ -429,8 +461,9 @@ class CudaOutputRegion:
         self.name = f"kimi_cuda_out_{uuid.uuid4().hex[:12]}"
         self.handle = cudashm.create_shared_memory_region(self.name, capacity, device_id)
         try:
-            client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id,
-                                                      capacity, **client._h())
+            with client.explained():
+                client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id,
+                                                          capacity, **client._h())
         except Exception:
             cudashm.destroy_shared_memory_region(self.handle)
             raise

@@ -12,6 +12,7 @@ value next to the limit.
 from __future__ import annotations
 
 import io
+import re
 import threading
 import warnings
 
@@ -79,7 +80,9 @@ def open_image(data: bytes, index: int, max_pixels: int, fast: bool = True) -> I
             Image.MAX_IMAGE_PIXELS = None
             raise _pixel_error(index, Image.open(io.BytesIO(flat)).size, max_pixels) from None
         except Exception as exc:  # Pillow raises many types for garbage input
-            raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {exc})",
+            # Pillow names the file object it read ("<_io.BytesIO object at 0x...>"): noise to the client.
+            why = re.sub(r"\s*<[^<>]* object at 0x[0-9a-fA-F]+>", "", str(exc)).strip()
+            raise RequestError(f"image {index}: not a decodable image ({type(exc).__name__}: {why})",
                                "undecodable_image") from None
         finally:
             Image.MAX_IMAGE_PIXELS = previous

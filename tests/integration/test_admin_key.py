@@ -113,3 +113,12 @@ def test_the_trace_api_needs_the_key_which_the_tracer_sends(locked_server):
         assert len(traced) == 1 and traced[0].root.model == "kimi_k25_vision"
     finally:
         admin.close()
+
+
+def test_a_refusal_for_want_of_the_key_says_how_to_give_it(locked_server):
+    client = KimiVisionClient(locked_server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match="admin_key=.*--admin-key"):
+            client.infer(chat_prompt_ids(1), [encode(photo_like(32, 32, seed=4), "PNG")], shm="system")
+    finally:
+        client.close()

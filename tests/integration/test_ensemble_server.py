@@ -319,3 +319,23 @@ def test_cli_prints_the_answer(server, tmp_path, capsys, protocol, shm):
     assert "image embeds: shape (502, 256) float32" in out and "sha256" in out
     assert infer.main(["--ids", "1,2", *paths, "--url", server.grpc_url]) == 1  # 1:1 error, no traceback
     assert "request failed:" in capsys.readouterr().err
+
+
+def test_mistakes_at_the_client_come_back_with_what_to_do(server):
+    """An unknown model names the service's ensembles; gRPC sent to the HTTP port says so; Pillow's
+    object repr stays out of an undecodable image's message."""
+    blobs = [encode(photo_like(32, 32, seed=4), "PNG")]
+    typo = KimiVisionClient(server.grpc_url, model="kimi_k25_visoin")
+    wrong_port = KimiVisionClient(server.http_url)  # gRPC to the HTTP port
+    plain = KimiVisionClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException, match="ensembles are kimi_k25_vision and kimi_k25_vision_batched"):
+            typo.infer(chat_prompt_ids(1), blobs)
+        with pytest.raises(InferenceServerException, match="gRPC port"):
+            wrong_port.infer(chat_prompt_ids(1), blobs, timeout_s=10)
+        with pytest.raises(InferenceServerException, match="not a decodable image") as refused:
+            plain.infer(chat_prompt_ids(1), [b"\x00garbage bytes, not an image"])
+        assert "object at 0x" not in str(refused.value)
+    finally:
+        for c in (typo, wrong_port, plain):
+            c.close()
