@@ -66,7 +66,7 @@ $(PERF_STAMP): $(STAMP)
 	@if ldconfig -p | grep -q libb64.so.0d || [ -e $(PERF_DIR)/lib/libb64.so.0d ]; then :; \
 	elif command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then \
 		echo "perf_analyzer needs libb64.so.0d: fetching Debian's libb64-0d into $(PERF_DIR)/lib (apt-get download, no install)"; \
-		cd $(PERF_DIR) && apt-get download libb64-0d && dpkg-deb -x libb64-0d_*.deb b64 && mkdir -p lib && cp -P b64/usr/lib/*/libb64.so.0d* lib/; \
+		cd $(PERF_DIR) && apt-get -q -o APT::Sandbox::User=$$(id -un) download libb64-0d && dpkg-deb -x libb64-0d_*.deb b64 && mkdir -p lib && cp -P b64/usr/lib/*/libb64.so.0d* lib/; \
 	else echo "perf_analyzer needs libb64.so.0d: install it (Debian/Ubuntu: libb64-0d) and run make perf again"; exit 1; fi
 	touch $@
 
