@@ -242,6 +242,8 @@ class KimiVisionClient:
             f.set_data_from_numpy(self._batch(frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
+        if timeout_s:  # every step sees when we stop waiting, and stops then (contract.DEADLINE_PARAMETER)
+            kwargs["parameters"] = {contract.DEADLINE_PARAMETER: int((time.time() + timeout_s) * 1000)}
         if self.headers:
             # A copy: tritonclient.http writes a request's Inference-Header-Content-Length into the dict it
             # is given (and sets none when every input is in shared memory): a stale length would cut

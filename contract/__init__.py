@@ -45,6 +45,13 @@ ENCODER_FOLLOWS = "INPUT_IDS_ENCODER_FOLLOWS"
 FORWARD_SUFFIX = "_FORWARD"
 
 OUTPUTS = (EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS)
+# A request parameter (an integer, milliseconds since the Unix epoch): when the client stops waiting. Every
+# step sees it (tritonserver hands a request's parameters to an ensemble's steps), so a step already
+# running stops between images once it has passed, which a gRPC deadline alone does not make it do
+# inside an ensemble (docs/triton_runtime.md#known-server-limitations). KimiVisionClient sends it with
+# its timeout_s.
+DEADLINE_PARAMETER = "kimi_deadline_unix_ms"
+
 # Bytes per element of the model configs' data types (what a shared-memory region is sized with).
 DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2}
 

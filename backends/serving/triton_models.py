@@ -28,7 +28,7 @@ from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from backends.serving.settings import ModelSettings
 from backends.serving.steps import EncoderRequest, EncoderStep, PlaceholderStep, PreprocessStep, throttled
-from contract import (ENCODER_FOLLOWS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
+from contract import (DEADLINE_PARAMETER, ENCODER_FOLLOWS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
                       MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES)
 
 log = logging.getLogger("kimi_vision")
@@ -81,6 +81,18 @@ class _Inputs:
     def _get(self, name):
         return pb_utils.get_input_tensor_by_name(self.request, name)
 
+    def gave_up(self, ask_server):
+        """Whether the client stopped waiting: its deadline parameter (contract.DEADLINE_PARAMETER, read once)
+        has passed, or `ask_server()` (the request's is_cancelled, an IPC round trip) says it cancelled."""
+        deadline = _deadline_ms(self.request)
+
+        def check() -> bool:
+            if deadline is not None and time.time() * 1000 > deadline:
+                return True
+            return bool(ask_server())
+
+        return check
+
     def numpy(self, name: str, optional: bool = False):
         tensor = self._get(name)
         if tensor is None:
@@ -107,6 +119,15 @@ class _Inputs:
         if not self.batched:
             return outputs
         return {k: (v[None] if isinstance(v, np.ndarray) else v.unsqueeze(0)) for k, v in outputs.items()}
+
+
+def _deadline_ms(request) -> float | None:
+    """The request's deadline parameter (contract.DEADLINE_PARAMETER), None if it has none or an unreadable one."""
+    try:
+        value = json.loads(request.parameters() or "{}").get(DEADLINE_PARAMETER)
+        return float(value) if value is not None else None
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 def _output(name: str, value) -> "pb_utils.Tensor":
@@ -271,7 +292,7 @@ class PreprocessModel(_Adapter):
             # Checked between media, at most every CANCEL_CHECK_S: a client that gave up (deadline,
             # cancel) stops the rest of the work. Only when kimi_preprocess is called directly: inside
             # an ensemble a running step is not told (docs/triton_runtime.md#known-server-limitations).
-            out = self.step(images, counts, frames, cancelled=throttled(inputs.request.is_cancelled, CANCEL_CHECK_S),
+            out = self.step(images, counts, frames, cancelled=inputs.gave_up(throttled(inputs.request.is_cancelled, CANCEL_CHECK_S)),
                             input_ids=input_ids, encoder_follows=encoder_follows)
         self.metrics.preprocessed(len(images), int(out[PIXEL_VALUES].shape[0]))
         return out
@@ -341,7 +362,7 @@ class EncoderModel(_Adapter):
                 inputs = self.inputs(request)
                 # Asked (an IPC round trip) only of a request that has media to encode: one the cache
                 # answers whole costs nothing more to finish than to drop.
-                parsed.append((inputs, self._request(inputs, cancelled=request.is_cancelled)))
+                parsed.append((inputs, self._request(inputs, cancelled=inputs.gave_up(request.is_cancelled))))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
         results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
