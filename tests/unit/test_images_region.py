@@ -1,6 +1,7 @@
 """ImagesRegion without a server: a region that cannot grow (the server refuses the larger one) stays as
 it was and usable, and closing it removes it (POSIX shared memory outlives the process otherwise)."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -27,6 +28,9 @@ class _Client:
 
     def _h(self):
         return {}
+
+    def explained(self):  # KimiVisionClient adds hints to the server's errors; none here
+        return contextlib.nullcontext()
 
     def unregister(self, name, kind):
         assert kind == "system"
