@@ -85,3 +85,20 @@ def test_compose_serves_one_gpu_host():
     assert {p.split(":")[1] for p in service["ports"]} == {"8000", "8001", "8002"}
     assert service["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert service["volumes"][0].endswith(":/checkpoint:ro")
+
+
+@pytest.mark.parametrize("env,want", [({}, ""), ({"KIMI_VISION_CHECKPOINT": "/models/typo"}, "/models/typo"),
+                                      ({"KIMI_VISION_CHECKPOINT": ""}, "")])
+def test_the_entrypoint_takes_a_set_checkpoint_as_it_is_and_serves_the_demo_without_one(tmp_path, env, want):
+    """A mistyped KIMI_VISION_CHECKPOINT reaches the launcher (which stops with one line) instead of
+    quietly serving the untrained demo; unset, /checkpoint if it holds a checkpoint (none here), else the demo."""
+    import os
+
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if k != "KIMI_VISION_CHECKPOINT"}
+    out = subprocess.run(["bash", str(ROOT / "docker" / "entrypoint.sh")], capture_output=True, text=True,
+                         env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"}, timeout=30)
+    argv = out.stdout.splitlines()
+    assert out.returncode == 0 and argv[argv.index("--checkpoint") + 1] == want, out
