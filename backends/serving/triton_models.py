@@ -315,7 +315,11 @@ class EncoderModel(_Adapter):
         if self.settings.cache_bytes > 0:
             prefix = server_prefix()
             if prefix:  # the keys it holds, published for preprocessing (backends/cache/index.py)
-                self.table = KeyTable(SHM / f"{prefix}cache_{self.instance_name}")
+                try:
+                    self.table = KeyTable(SHM / f"{prefix}cache_{self.instance_name}")
+                except OSError as exc:  # a hint only: without it every media is decoded, and hits still skip the encoder
+                    log.warning("%s: cannot publish the cache's keys in %s (%s); preprocessing decodes every media",
+                                self.name, SHM, exc)
             cache = EmbeddingCache(self.settings.cache_bytes, on_put=self.table and self.table.add,
                                    on_evict=self.table and self.table.remove)
         self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs,
