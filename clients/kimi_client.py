@@ -4,9 +4,11 @@
     result = client.infer(input_ids, [open("a.jpg", "rb").read()])
     result.image_embeds  # (sum of IMAGE_TOKEN_COUNTS, text_hidden), rows in prompt order
 
-Shared memory: `shm="system"` puts the inputs and IMAGE_EMBEDS in a POSIX shared-memory region
-registered with the server (same host); `shm="cuda"` writes IMAGE_EMBEDS straight into a CUDA buffer
-this process owns (the co-located LLM reads it without a host copy) and is available where a GPU is;
+Shared memory: `shm="system"` puts the images and IMAGE_EMBEDS in POSIX shared-memory regions registered
+with the server (same host); `shm="cuda"` writes IMAGE_EMBEDS straight into a CUDA buffer this process
+owns (the co-located LLM reads it without a host copy) and is available where a GPU is. Both take their
+regions from the client's pool: registered at the first request, grown on demand, reused by the next
+ones, released by `close()`;
 `infer_into(CudaOutputRegion(client, capacity), ...)` keeps one such buffer registered across requests,
 and `images_region=ImagesRegion(client)` does the same for the encoded images on the way in (`infer`
 takes it too): a co-located client then sends no image bytes through gRPC or HTTP.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -88,6 +91,9 @@ class KimiVisionClient:
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
         self.url, self.protocol, self.batched = url, protocol, batched
+        # Shared-memory regions kept across requests (infer with shm="system" / "cuda"), released by close().
+        self._pool: dict[str, list] = {"system": [], "cuda": []}
+        self._pool_lock = threading.Lock()
         self._embeds_row: int | None = None  # bytes per IMAGE_EMBEDS row, from the model config once
         self.model = model or (BATCHED_MODEL if batched else MODEL)
         # Ids and counts alone go to kimi_placeholder (headers only) unless a model was named.
@@ -106,7 +112,41 @@ class KimiVisionClient:
         self.client = tc.InferenceServerClient(url)
 
     def close(self):
-        self.client.close()
+        """Release the pooled shared-memory regions (unregistered, removed), then the connection."""
+        try:
+            with self._pool_lock:  # an item is a region, or a tuple of them (shm="system": images, embeddings)
+                pooled = [r for items in self._pool.values() for item in items
+                          for r in (item if isinstance(item, tuple) else (item,))]
+                self._pool = {"system": [], "cuda": []}
+            errors = []
+            for region in pooled:
+                try:
+                    region.close()
+                except Exception as exc:  # noqa: BLE001 - release the rest
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        finally:
+            self.client.close()
+
+    @contextlib.contextmanager
+    def _pooled(self, kind: str, make):
+        """A region (or regions) of `kind` from this client's pool, made by `make()` when none is free, and
+        back into the pool afterwards: a client that sends many requests through shared memory registers
+        its regions once. One request at a time holds a pooled region; concurrent requests on one client
+        each get their own."""
+        with self._pool_lock:
+            item = self._pool[kind].pop() if self._pool[kind] else None
+        if item is None:
+            item = make()
+        try:
+            yield item
+        except BaseException:
+            with self._pool_lock:
+                self._pool[kind].append(item)
+            raise
+        with self._pool_lock:
+            self._pool[kind].append(item)
 
     @contextlib.contextmanager
     def explained(self):
@@ -152,8 +192,8 @@ class KimiVisionClient:
         server drops the request's remaining work); an HTTP client's timeouts are set on
         tritonclient.http.InferenceServerClient.
         images_region: an ImagesRegion (registered once) to carry the images instead of the request body,
-        with shm "none" or "cuda" (shm "system" puts the images into a region of its own per call, and
-        refuses one).
+        with shm "none" or "cuda" (shm "system" puts the images into a region of its own, from the
+        client's pool, and refuses one).
         """
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
         wanted = _check_outputs(outputs)
@@ -161,7 +201,7 @@ class KimiVisionClient:
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted, images_region)
         if shm == "system":
             if images_region is not None:
-                raise ValueError('shm="system" puts the images into a region of its own per call: '
+                raise ValueError('shm="system" puts the images into a region of its own (from the client\'s pool): '
                                  'pass images_region with shm="none" or "cuda"')
             return self._infer_system_shm(ids, blobs, frames, output_capacity, timeout_s, wanted)
         if shm == "cuda":
@@ -269,49 +309,26 @@ class KimiVisionClient:
         return self._result(r, wanted)
 
     def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
-        import tritonclient.utils.shared_memory as shm
-
-        tag = uuid.uuid4().hex[:12]
-        parts, images_size = _byte_tensor_parts(blobs)
-        in_size = ids.nbytes + images_size
-        in_name, out_name = f"kimi_in_{tag}", f"kimi_out_{tag}"
-        with _Cleanup(self) as cleanup:
-            h_in = shm.create_shared_memory_region(in_name, f"/{in_name}", max(in_size, 1))
-            cleanup.destroy(lambda: shm.destroy_shared_memory_region(h_in))
-            h_out = shm.create_shared_memory_region(out_name, f"/{out_name}", capacity)
-            cleanup.destroy(lambda: shm.destroy_shared_memory_region(h_out))
-            shm.set_shared_memory_region(h_in, [ids])
-            if images_size:
-                shm.set_shared_memory_region(h_in, parts, offset=ids.nbytes)
-            for name, size in ((in_name, max(in_size, 1)), (out_name, capacity)):
-                with self.explained():
-                    self.client.register_system_shared_memory(name, f"/{name}", size, **self._h())
-                cleanup.unregister(name, "system")
-            a, b = self._inputs(ids, blobs)
-            a.set_shared_memory(in_name, ids.nbytes)
-            if images_size:
-                b.set_shared_memory(in_name, images_size, offset=ids.nbytes)
-            else:
-                b.set_data_from_numpy(self._batch(blobs))
+        """The images and IMAGE_EMBEDS through two POSIX regions of this client's pool (registered once,
+        grown on demand), the embeddings copied out of their region."""
+        make = lambda: (ImagesRegion(self), SystemOutputRegion(self, capacity))  # noqa: E731
+        with self._pooled("system", make) as (images, out):
+            a, b = self._filled(ids, blobs, images)
             requested = self._requested(wanted)
             if contract.IMAGE_EMBEDS in wanted:
-                requested[wanted.index(contract.IMAGE_EMBEDS)].set_shared_memory(out_name, capacity)
+                out.grow_to(capacity)
+                requested[wanted.index(contract.IMAGE_EMBEDS)].set_shared_memory(out.name, capacity)
             r = self._call([a, b], frames, requested, timeout_s)
-            embeds = None
-            if contract.IMAGE_EMBEDS in wanted:
-                shape, datatype = _output_meta(r, contract.IMAGE_EMBEDS)
-                embeds = _read_embeds(shm.get_contents_as_numpy(h_out, np.uint8, [capacity]), shape, datatype)
-                embeds = embeds[0] if self.batched else embeds
+            embeds = out.read(r, self.batched) if contract.IMAGE_EMBEDS in wanted else None
             return self._result(r, [n for n in wanted if n != contract.IMAGE_EMBEDS], image_embeds=embeds)
 
     def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, wanted, images_region=None):
         if contract.IMAGE_EMBEDS not in wanted:  # nothing would go into the region
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted, images_region)
-        with _Cleanup(self) as cleanup:
-            region = CudaOutputRegion(self, capacity)
-            cleanup.destroy(region.close)
+        with self._pooled("cuda", lambda: CudaOutputRegion(self, capacity)) as region:
+            region.grow_to(capacity)
             result = self._infer_into(region, ids, blobs, frames, timeout_s, wanted, images_region)
-            embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: outlives the region
+            embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: the region is written again
             result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
             return result
 
@@ -348,51 +365,15 @@ class KimiVisionClient:
             delay = min(delay * 2, 0.2)
 
 
-class _Cleanup:
-    """Undo a request's shared-memory set-up in reverse order, each step on its own. A cleanup failure
-    is raised when the request itself succeeded, and attached as a note when it failed (the request's
-    own error comes first)."""
+class _PosixRegion:
+    """A POSIX shared-memory region of this process, registered with the server (same host) and kept
+    across requests; `grow_to` replaces it with one large enough (twice as large at least), the larger
+    one made first so that a failure leaves this one as it was. Close it when done: that unregisters it
+    (retrying while the server still holds it) and removes it."""
 
-    def __init__(self, client: KimiVisionClient):
-        self.client, self.steps = client, []
+    prefix = "kimi_region"
 
-    def unregister(self, name: str, kind: str) -> None:
-        self.steps.append(lambda: self.client.unregister(name, kind))
-
-    def destroy(self, fn) -> None:
-        self.steps.append(fn)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        errors = []
-        for step in reversed(self.steps):
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001 - keep undoing the rest
-                errors.append(e)
-        if errors and exc is None:
-            raise errors[0]
-        if errors and hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"cleanup also failed: {errors[0]}")
-        return False
-
-
-class ImagesRegion:
-    """A POSIX shared-memory region of this process for the encoded images of a request, registered with
-    the server once (same host) and rewritten by each request: the image bytes then travel by one copy
-    into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
-    less end to end for one 1.3 MB JPEG; for smaller requests the gain was within the run-to-run spread;
-    docs/findings.md#images-through-shared-memory).
-
-    One request at a time per region (the server reads it during the request; `infer` and `infer_into`
-    return after the server is done with it). A request larger than the region replaces it with one
-    twice as large or as large as the request needs. Close it when done: that unregisters it
-    (retrying while the server still holds it) and removes it.
-    """
-
-    def __init__(self, client: KimiVisionClient, capacity: int = 4 << 20):
+    def __init__(self, client: KimiVisionClient, capacity: int):
         import tritonclient.utils.shared_memory as shm
 
         self.client, self._shm = client, shm
@@ -400,7 +381,7 @@ class ImagesRegion:
 
     def _create(self, capacity: int) -> tuple:
         """A new region, registered: (handle, name, capacity)."""
-        name = f"kimi_images_{uuid.uuid4().hex[:12]}"
+        name = f"{self.prefix}_{uuid.uuid4().hex[:12]}"
         handle = self._shm.create_shared_memory_region(name, f"/{name}", capacity)
         try:
             with self.client.explained():
@@ -410,21 +391,14 @@ class ImagesRegion:
             raise
         return handle, name, capacity
 
-    def write(self, blobs: np.ndarray) -> int:
-        """The images as the server reads BYTES (a 4-byte little-endian length before each), written at
-        the region's start, each image's bytes copied once; returns their size in bytes."""
+    def grow_to(self, size: int) -> None:
         if self.handle is None:
-            raise ValueError(f"images region {self.name} is closed")
-        parts, size = _byte_tensor_parts(blobs)
+            raise ValueError(f"shared-memory region {self.name} is closed")
         if size > self.capacity:
-            # The larger region first: should it fail, this one stays as it was, still usable.
             new = self._create(max(size, 2 * self.capacity))
             old_handle, old_name = self.handle, self.name
             self.handle, self.name, self.capacity = new
             self._release(old_handle, old_name)
-        if parts:
-            self._shm.set_shared_memory_region(self.handle, parts)
-        return size
 
     def _release(self, handle, name: str) -> None:
         try:
@@ -445,10 +419,53 @@ class ImagesRegion:
         self.close()
 
 
+class ImagesRegion(_PosixRegion):
+    """A POSIX shared-memory region of this process for the encoded images of a request, registered with
+    the server once (same host) and rewritten by each request: the image bytes then travel by one copy
+    into shared memory, not through the request body (on the H200 host: 1.4-2.2 ms
+    less end to end for one 1.3 MB JPEG; for smaller requests the gain was within the run-to-run spread;
+    docs/findings.md#images-through-shared-memory).
+
+    One request at a time per region (the server reads it during the request; `infer` and `infer_into`
+    return after the server is done with it). A request larger than the region replaces it with one
+    twice as large or as large as the request needs. Close it when done.
+    """
+
+    prefix = "kimi_images"
+
+    def __init__(self, client: KimiVisionClient, capacity: int = 4 << 20):
+        super().__init__(client, capacity)
+
+    def write(self, blobs: np.ndarray) -> int:
+        """The images as the server reads BYTES (a 4-byte little-endian length before each), written at
+        the region's start, each image's bytes copied once; returns their size in bytes."""
+        if self.handle is None:
+            raise ValueError(f"images region {self.name} is closed")
+        parts, size = _byte_tensor_parts(blobs)
+        self.grow_to(size)
+        if parts:
+            self._shm.set_shared_memory_region(self.handle, parts)
+        return size
+
+
+class SystemOutputRegion(_PosixRegion):
+    """A POSIX shared-memory region of this process for IMAGE_EMBEDS, registered once and written by each
+    request (`infer(shm="system")` keeps one per client in its pool)."""
+
+    prefix = "kimi_out"
+
+    def read(self, result, batched: bool) -> np.ndarray:
+        """IMAGE_EMBEDS of `result`, copied out of the region (the next request writes it again)."""
+        shape, datatype = _output_meta(result, contract.IMAGE_EMBEDS)
+        embeds = _read_embeds(self._shm.get_contents_as_numpy(self.handle, np.uint8, [self.capacity]), shape, datatype)
+        return embeds[0] if batched else embeds
+
+
 class CudaOutputRegion:
     """A CUDA buffer of this process for IMAGE_EMBEDS, registered with the server (CUDA IPC, same host).
 
-    `KimiVisionClient.infer_into` reuses one across requests; `infer(shm="cuda")` makes one per call.
+    `KimiVisionClient.infer_into` reuses one across requests; `infer(shm="cuda")` takes one from the
+    client's pool (registered once, grown on demand).
     Close it when done: that unregisters it (retrying while the server still holds it) and frees the
     buffer.
     """
@@ -459,13 +476,19 @@ class CudaOutputRegion:
 
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA shared memory needs a CUDA GPU on the client's host")
-        self.client, self.capacity, self._cudashm = client, capacity, cudashm
-        self.name = f"kimi_cuda_out_{uuid.uuid4().hex[:12]}"
-        self.handle = cudashm.create_shared_memory_region(self.name, capacity, device_id)
+        self.client, self.device_id, self._cudashm = client, device_id, cudashm
+        self._create(capacity)
+
+    def _create(self, capacity: int) -> None:
+        import torch
+
+        cudashm, client = self._cudashm, self.client
+        self.capacity, self.name = capacity, f"kimi_cuda_out_{uuid.uuid4().hex[:12]}"
+        self.handle = cudashm.create_shared_memory_region(self.name, capacity, self.device_id)
         try:
             with client.explained():
-                client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle), device_id,
-                                                          capacity, **client._h())
+                client.client.register_cuda_shared_memory(self.name, cudashm.get_raw_handle(self.handle),
+                                                          self.device_id, capacity, **client._h())
         except Exception:
             cudashm.destroy_shared_memory_region(self.handle)
             raise
@@ -474,6 +497,12 @@ class CudaOutputRegion:
         except Exception:
             self.close()
             raise
+
+    def grow_to(self, capacity: int) -> None:
+        """A region at least `capacity` bytes large: this one, or a new one in its place."""
+        if capacity > self.capacity:
+            self.close()
+            self._create(capacity)
 
     def embeds(self, result):
         """IMAGE_EMBEDS of `result` as a torch view into the region (its shape and dtype)."""

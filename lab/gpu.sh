@@ -9,7 +9,7 @@
 #
 # Stages:
 #   fa4a, fa4b  flash-attn-4 (lab/pack_gpu_wheels.sh --fa4 packs it in two halves under 64 MiB each)
-#   tests       tests/gpu and the Pillow-exactness tests on the GPU
+#   tests       tests/gpu and the Pillow-exactness tests on the GPU (GPU_TESTS names others)
 #   encoder     the encoder against transformers, MFU and RoPE (lab/bench/encoder_bench.py)
 #   preprocess  GPU preprocessing against the checkpoint processor (lab/bench/preprocess_bench.py)
 #   decode      exact GPU JPEG decoding against Pillow (lab/bench/decode_bench.py)
@@ -70,7 +70,7 @@ for stage in "$@"; do
         && echo "fa4 installed"
       export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_bicubic_vs_pillow.py > "$out/gpu_tests.log" 2>&1
+      python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/unit/test_bicubic_vs_pillow.py} > "$out/gpu_tests.log" 2>&1
       grep -E "passed|failed|^E  " "$out/gpu_tests.log" | head -40 ;;
     encoder) python3 -m lab.bench.encoder_bench --out "$out" > "$out/encoder.log" 2>&1; tail -30 "$out/encoder.log" ;;
     preprocess) python3 -m lab.bench.preprocess_bench --out "$out" > "$out/preprocess.log" 2>&1; tail -20 "$out/preprocess.log" ;;

@@ -5,8 +5,8 @@
     in the gRPC response (BF16; tritonclient returns ml_dtypes.bfloat16, KimiVisionClient widens it
     to a float32 numpy array);
 (b) the same server, IMAGE_EMBEDS written into client CUDA shared memory by
-    `KimiVisionClient.infer(..., shm="cuda")`, which creates and registers a region per call and
-    also copies the embeddings to a host float32 array;
+    `KimiVisionClient.infer(..., shm="cuda")`, which takes a region from the client's pool (registered
+    at the first call), copies the embeddings out of it on the GPU and to a host float32 array;
 (c) the same server, IMAGE_EMBEDS written into one CUDA region registered once and reused
     (`KimiVisionClient.infer_into` with a `CudaOutputRegion`), the embeddings left there (what a
     co-located LLM process does);
@@ -47,11 +47,11 @@ IMPLEMENTATIONS = {
              "gRPC request (ids + JPEG bytes) over loopback; server: 1:1 check and resize plan, Pillow decode, "
              "GPU resize + normalize/patchify, MoonViT3d + projector (BF16); the BF16 embeddings back in the "
              "gRPC response, widened to float32 by KimiVisionClient"),
-    "cuda_shm_per_call": ("(b) ours, tritonserver, CUDA shm (KimiVisionClient, region per call)",
+    "cuda_shm_per_call": ("(b) ours, tritonserver, CUDA shm (KimiVisionClient.infer, pooled region)",
                           "client GPU buffer + host float32 copy",
                           "as (a), but the server writes IMAGE_EMBEDS into a CUDA buffer of the client: "
-                          "KimiVisionClient.infer(shm='cuda') allocates and registers that buffer on every "
-                          "call, copies the embeddings to a torch tensor and to a host float32 array"),
+                          "KimiVisionClient.infer(shm='cuda') takes it from the client's pool (registered at "
+                          "the first call), copies the embeddings to a torch tensor and to a host float32 array"),
     "cuda_shm_registered": ("(c) ours, tritonserver, CUDA shm (region registered once)", "client GPU buffer (BF16)",
                             "as (a), but the server writes IMAGE_EMBEDS into one CUDA buffer registered once "
                             "before timing; the embeddings stay there (what a co-located LLM does)"),

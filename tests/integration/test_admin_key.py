@@ -39,11 +39,15 @@ def test_shared_memory_needs_the_key_and_inference_does_not(locked_server, proto
             anonymous.infer(chat_prompt_ids(1), blobs, shm="system")
         via_shm = admin.infer(chat_prompt_ids(1), blobs, shm="system")
         np.testing.assert_array_equal(via_shm.image_embeds, plain.image_embeds)
-        status = admin.client.get_system_shared_memory_status(**admin._h())
-        assert list(status if isinstance(status, list) else status.regions) == []  # nothing left registered
     finally:
         anonymous.close()
-        admin.close()
+        admin.close()  # releases its pooled regions, with the key
+    watcher = KimiVisionClient(url, protocol=protocol, admin_key=KEY)
+    try:
+        status = watcher.client.get_system_shared_memory_status(**watcher._h())
+        assert list(status if isinstance(status, list) else status.regions) == []  # nothing left registered
+    finally:
+        watcher.close()
 
 
 def test_the_command_line_client_sends_the_key(locked_server, tmp_path, capsys, monkeypatch):

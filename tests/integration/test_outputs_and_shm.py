@@ -79,20 +79,30 @@ def _registered_names(client: KimiVisionClient) -> list[str]:
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_system_shared_memory_is_unregistered_after_every_call(server, request_and_full_answer, protocol):
+def test_system_shared_memory_regions_are_pooled_and_released_on_close(server, request_and_full_answer, protocol):
+    """shm="system" registers its two regions (images, embeddings) at the first request and reuses them:
+    every later call, failed ones included, leaves exactly those registered; close() leaves none."""
     ids, blobs, full = request_and_full_answer
     client = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
+    watcher = KimiVisionClient(server.grpc_url if protocol == "grpc" else server.http_url, protocol=protocol)
     try:
+        pooled = None
         for i in range(30):
             if i % 5 == 4:  # failed requests too: a 1:1 mismatch
                 with pytest.raises(InferenceServerException):
                     client.infer(ids[:-5], blobs, shm="system")
-                continue
-            r = client.infer(ids, blobs, shm="system", outputs=["IMAGE_EMBEDS", "IMAGE_TOKEN_COUNTS"])
-            np.testing.assert_array_equal(r.image_embeds, full.image_embeds)
-            assert _registered(client) == [], f"call {i} left regions registered"
+            else:
+                r = client.infer(ids, blobs, shm="system", outputs=["IMAGE_EMBEDS", "IMAGE_TOKEN_COUNTS"])
+                np.testing.assert_array_equal(r.image_embeds, full.image_embeds)
+            names = sorted(_registered_names(client))
+            pooled = pooled or names
+            assert len(names) == 2 and names == pooled, f"call {i}: {names} against {pooled}"
     finally:
         client.close()
+    try:
+        assert _registered(watcher) == []  # nothing left once the client is closed
+    finally:
+        watcher.close()
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
