@@ -141,12 +141,9 @@ class KimiVisionClient:
             item = make()
         try:
             yield item
-        except BaseException:
+        finally:
             with self._pool_lock:
                 self._pool[kind].append(item)
-            raise
-        with self._pool_lock:
-            self._pool[kind].append(item)
 
     @contextlib.contextmanager
     def explained(self):
@@ -308,11 +305,20 @@ class KimiVisionClient:
         r = self._call([a, b], frames, self._requested(wanted), timeout_s)
         return self._result(r, wanted)
 
+    def _system_pair(self, capacity: int):
+        """The images region and the output region, made together; the first is released if the second
+        cannot be registered, so a failed registration leaves nothing behind on the server."""
+        images = ImagesRegion(self)
+        try:
+            return images, SystemOutputRegion(self, capacity)
+        except BaseException:
+            images.close()
+            raise
+
     def _infer_system_shm(self, ids, blobs, frames, capacity, timeout_s, wanted):
         """The images and IMAGE_EMBEDS through two POSIX regions of this client's pool (registered once,
         grown on demand), the embeddings copied out of their region."""
-        make = lambda: (ImagesRegion(self), SystemOutputRegion(self, capacity))  # noqa: E731
-        with self._pooled("system", make) as (images, out):
+        with self._pooled("system", lambda: self._system_pair(capacity)) as (images, out):
             a, b = self._filled(ids, blobs, images)
             requested = self._requested(wanted)
             if contract.IMAGE_EMBEDS in wanted:
