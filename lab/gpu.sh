@@ -70,8 +70,16 @@ for stage in "$@"; do
         && echo "fa4 installed"
       export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu tests/unit/test_bicubic_vs_pillow.py} > "$out/gpu_tests.log" 2>&1
-      grep -E "passed|failed|^E  " "$out/gpu_tests.log" | head -40 ;;
+      suite=${GPU_TESTS:-tests/gpu tests/unit/test_bicubic_vs_pillow.py}
+      python3 -m pytest -q -p no:cacheprovider $suite > "$out/gpu_tests.log" 2>&1
+      grep -E "passed|failed|^E  " "$out/gpu_tests.log" | head -40
+      # The summary line, with what ran and on which tree, as the page's gpu-tests section (a run of
+      # GPU_TESTS alone as gpu-tests-selected, so that it never stands for the whole suite).
+      { echo "python3 -m pytest -q $suite  (bash lab/gpu.sh ... tests; tree $(git rev-parse --short HEAD 2> /dev/null || echo unknown))"
+        echo; sed -n 3p "$out/gpu.txt"; sed -n 4p "$out/gpu.txt"; echo
+        grep -E "^(FAILED|ERROR) " "$out/gpu_tests.log" | head -20
+        grep -E "[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1
+      } | python3 -m lab.bench.results_page section gpu "gpu-tests${GPU_TESTS:+-selected}" > /dev/null ;;
     encoder) python3 -m lab.bench.encoder_bench --out "$out" > "$out/encoder.log" 2>&1; tail -30 "$out/encoder.log" ;;
     preprocess) python3 -m lab.bench.preprocess_bench --out "$out" > "$out/preprocess.log" 2>&1; tail -20 "$out/preprocess.log" ;;
     decode) python3 -m lab.bench.decode_bench --out "$out" > "$out/decode.log" 2>&1; tail -20 "$out/decode.log" ;;

@@ -84,6 +84,11 @@ def write_section(device: str, name: str, body: str, results_dir: Path = RESULTS
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) < 4 or sys.argv[1] != "merge":
-        raise SystemExit("usage: python -m lab.bench.results_page merge INTO PAGE [PAGE ...]")
-    print(merge(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]]))
+    usage = ("usage: python -m lab.bench.results_page merge INTO PAGE [PAGE ...]\n"
+             "       python -m lab.bench.results_page section cpu|gpu NAME < BODY")
+    if len(sys.argv) >= 4 and sys.argv[1] == "merge":
+        print(merge(Path(sys.argv[2]), [Path(a) for a in sys.argv[3:]]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "section":  # a shell stage's summary (gpu.sh tests)
+        print(write_section(sys.argv[2], sys.argv[3], sys.stdin.read()))
+    else:
+        raise SystemExit(usage)
