@@ -9,8 +9,8 @@ model instance: `context` hashes them once; `media_key` adds a media's own part.
 
 SHA-256: a collision would serve one image's rows for another, so the key is a cryptographic hash, and
 every length is hashed in front of its bytes so that no two splits of the same bytes into frames
-collide. SHA-256 rather than BLAKE2b because CPUs hash it in hardware (SHA-NI): 0.73 against 2.1 ms for
-a 1.3 MB JPEG on our CPU machine, on the path of every request.
+collide. SHA-256 rather than BLAKE2b because CPUs hash it in hardware (SHA-NI): 0.72 against 2.02 ms
+for 1.3 MB on our CPU machine (lab/results/cpu.md, section key_hash), on the path of every request.
 """
 
 from __future__ import annotations
