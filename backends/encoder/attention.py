@@ -51,6 +51,17 @@ def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
     return out
 
 
+def fast_path_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One line for the start-up log where the fastest attention kernel is missing, naming what runs instead."""
+    if device.type != "cuda" or _fa4_varlen is not None:
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"attention runs SDPA per media in {dtype} (flash-attn-4 takes bf16/fp16 only)"
+    return ("flash-attn-4 is not installed: attention runs cuDNN per media (torch's flash varlen for batches of "
+            "small media), and CUDA graphs are kept per grid list instead of per patch bucket; "
+            "install docker/requirements-flash-attn4.txt for the fast path")
+
+
 def pick_backend(device: torch.device, dtype: torch.dtype, meta: ForwardMetadata | None = None) -> str:
     options = available_backends(device, dtype)
     if options[0] == "fa4" or options == ["sdpa_loop"]:

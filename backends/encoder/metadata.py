@@ -108,6 +108,12 @@ def check_pixels(cfg: EncoderConfig, pixel_shape: tuple[int, ...], grids: Sequen
         raise ValueError(f"GRID_THWS describes {patches} patches but PIXEL_VALUES has {pixel_shape[0]}")
 
 
+def rope_parts(cfg: EncoderConfig, grids: Sequence[tuple[int, int, int]], device: torch.device) -> list[torch.Tensor]:
+    """Each media's (t*h*w, head_dim/2) rotations, in order (every frame of a chunk rotates alike)."""
+    parts = [_rope_for_grid(cfg, h, w, device) for _, h, w in grids]
+    return [p.repeat(t, 1) if t > 1 else p for p, (t, _, _) in zip(parts, grids)]
+
+
 def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device | str) -> ForwardMetadata:
     grids = as_grid_list(grid_thws)
     check_grids(cfg, grids)
@@ -115,8 +121,7 @@ def build_metadata(cfg: EncoderConfig, grid_thws: Sequence, device: torch.device
     cu = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
     device = torch.device(device)
     if grids:
-        parts = [_rope_for_grid(cfg, h, w, device) for _, h, w in grids]
-        rope = torch.cat([p.repeat(t, 1) if t > 1 else p for p, (t, _, _) in zip(parts, grids)])
+        rope = torch.cat(rope_parts(cfg, grids, device))
     else:
         rope = torch.empty((0, cfg.head_dim // 2), dtype=torch.complex64, device=device)
     return ForwardMetadata(

@@ -75,7 +75,8 @@ class PosEmbDivided(nn.Module):
 
         return self._resized.get((h, w, self.weight.data_ptr(), self.weight._version, self.weight.dtype), resize)
 
-    def forward(self, x: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    def parts(self, grids: Sequence[tuple[int, int, int]], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each media's (t*h*w, D) addend in `dtype`, in order (join them for the packed batch)."""
         parts, resized = [], {}
         for t, h, w in grids:
             if (h, w) not in resized:  # one interpolation per distinct grid in the batch
@@ -83,7 +84,11 @@ class PosEmbDivided(nn.Module):
             pos = resized[(h, w)]
             if t > 1:  # frame 0 of a chunk gets [0..0, 1..1]; single images get no time term
                 pos = (pos[None] + self.time_weight[:t, None, :]).flatten(0, 1)
-            parts.append(pos.to(x.dtype))
+            parts.append(pos.to(dtype))
+        return parts
+
+    def forward(self, x: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        parts = self.parts(grids, x.dtype)
         return x + torch.cat(parts) if parts else x
 
 
@@ -94,10 +99,12 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(3, cfg.hidden_size, kernel_size=p, stride=p)
         self.pos_emb = PosEmbDivided(cfg)
 
-    def forward(self, pixels: torch.Tensor, grids) -> torch.Tensor:
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
         # A stride-p conv over p x p patches is one matmul over the flattened (C, py, px) vector.
-        x = F.linear(pixels.flatten(1), self.proj.weight.flatten(1), self.proj.bias)  # (L, D)
-        return self.pos_emb(x, grids)
+        return F.linear(pixels.flatten(1), self.proj.weight.flatten(1), self.proj.bias)  # (L, D)
+
+    def forward(self, pixels: torch.Tensor, grids) -> torch.Tensor:
+        return self.pos_emb(self.project(pixels), grids)
 
 
 class MLP(nn.Module):
@@ -148,9 +155,14 @@ class MoonViT3d(nn.Module):
                 attn_backend: str | None = None) -> torch.Tensor:
         """pixels: (L, 3, p, p) -> (L, D) after the final layer norm."""
         backend = attn_backend or pick_backend(pixels.device, pixels.dtype, meta)
-        x = self.patch_embed(pixels, meta.grids)
+        return self.layers(self.patch_embed(pixels, meta.grids), meta, rope, backend)
+
+    def layers(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
+        """The blocks and the final layer norm over embedded patches (L, D). Reads of `meta` are its
+        device tensors and host ints only (cu_seqlens, max_seqlen; seq_lens for per-media backends):
+        what a CUDA graph over padded buckets feeds in (backends/encoder/graphs.py)."""
         for block in self.encoder.blocks:
-            x = block(x, meta, rope, backend)
+            x = block(x, meta, rope, attn_backend)
         return self.encoder.final_layernorm(x)
 
 
@@ -211,4 +223,8 @@ class KimiVisionModel(nn.Module):
             return pixel_values.new_empty((0, self.cfg.text_hidden_size), dtype=self.dtype)
         rope = Rope(meta.rope, self.device, self.dtype, fused_rope)
         x = self.vision_tower(pixel_values.to(self.dtype), meta, rope, attn_backend)
+        return self.merge_and_project(x, meta)
+
+    def merge_and_project(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:
+        """The tower's output rows (sum t*h*w, D) -> embeddings (sum tokens, text_hidden)."""
         return self.mm_projector(tpool_patch_merge(x, meta, self.cfg.merge_kernel_size))

@@ -89,7 +89,9 @@ if triton is not None:
         """The triangle filter's weighted sum before rounding: 3 x the nearer sample + the farther."""
         return 3 * tl.load(near_ptr, mask=mask, other=0).to(tl.int32) + tl.load(far_ptr, mask=mask, other=0).to(tl.int32)
 
-    @triton.jit
+    # Sizes and pitches are not specialized on (divisible by 16, equal to 1): a new image size must not
+    # compile a variant on a request's path.
+    @triton.jit(do_not_specialize=["H", "W", "DH", "DW", "Y_PITCH", "C_PITCH", "Y_IMAGE", "C_IMAGE"])
     def _ycc_rgb_kernel(y_ptr, cb_ptr, cr_ptr, out_ptr, H, W, DH, DW, Y_PITCH, C_PITCH, Y_IMAGE, C_IMAGE,
                         FX: tl.constexpr, FY: tl.constexpr, FANCY_H: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)

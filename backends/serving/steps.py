@@ -214,6 +214,17 @@ class EncoderStep:
         self.merge_tokens = model.cfg.merge_tokens
         self._held = HeldCount(self, model.device)
 
+    def prepare(self) -> list[str]:
+        """Start-up work that keeps first requests as fast as later ones: the CUDA graphs of every patch
+        bucket. Returns lines for the log (what was captured, and a missing fast kernel)."""
+        from backends.encoder.attention import fast_path_note
+
+        lines = [note] if (note := fast_path_note(self.model.device, self.model.dtype)) else []
+        if self._graphed is not None:
+            lines.append(self._graphed.capture_buckets())
+            self._held.update()
+        return lines
+
     def cached_bytes(self) -> int:
         """Device bytes our bounded caches keep alive: the CUDA graphs' static buffers, the per-grid
         tables (RoPE, resized position embeddings) and the embedding cache's rows. They grow towards

@@ -157,10 +157,23 @@ def _error(exc: Exception, model: str) -> "pb_utils.InferenceResponse":
     )
 
 
+def _stub_logging() -> None:
+    """Our INFO lines (start-up facts: what was captured, which decoder, a missing fast kernel) to the stub's
+    stderr, which tritonserver's log holds; the stub configures no Python logging of its own."""
+    for name in ("kimi_vision", "backends"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+
+
 class _Adapter:
     name = "model"
 
     def initialize(self, args):
+        _stub_logging()
         self.settings, self.config = _settings(args)
         if self.settings.device.startswith("cuda"):
             # Triton kernels launch on the current device: make it this instance's GPU.
@@ -324,6 +337,8 @@ class EncoderModel(_Adapter):
                                    on_evict=self.table and self.table.remove)
         self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs,
                                 cache=cache)
+        for line in self.step.prepare():
+            log.info("%s: %s", self.name, line)
         self._fallback_step = None
         self.metrics.watch_cache(cache)
 

@@ -138,3 +138,65 @@ def test_captures_beyond_the_graph_bound_keep_allocated_memory_flat(model, monke
     assert graphed.captures == len(sizes) and len(graphed.graphs) == 2
     assert made == []  # no new stream (and so no new cuBLAS workspace) for the later captures
     assert uncached() - base < 16 << 20, (base, uncached())
+
+
+def _bucket_backend():
+    from backends.encoder.attention import available_backends
+
+    options = available_backends(torch.device(DEV), torch.bfloat16)
+    return "fa4" if "fa4" in options else "varlen"
+
+
+BUCKET_CASES = [
+    [(1, 32, 32)],  # 1,024 patches: a bucket's exact size, no padding rows
+    [(1, 16, 16)],  # the smallest bucket exactly: every padding sequence empty
+    [(1, 20, 28), (1, 16, 16)],  # 816 in the 832 bucket: 16 padding rows
+    [(2, 12, 16)],  # a video chunk
+    [(1, 58, 50)],  # 2,900 in a larger bucket
+    [(1, 8, 8)] * 12 + [(1, 30, 42)],  # many media
+    [(1, 2, 2)],  # 4 patches in the 256 bucket
+]
+
+
+def test_bucketed_replays_equal_eager_for_sizes_never_seen(model):
+    """Every bucket captured up front; each grid list, seen for the first time, replays its bucket's graph
+    (padded) and gives the eager forward's bits with the same attention backend."""
+    backend = _bucket_backend()
+    graphed = GraphedEncoder(model, max_patches=4096, bucket_backend=backend)
+    line = graphed.capture_buckets()
+    assert f"{len(graphed.buckets.sizes)} CUDA graphs captured" in line, line
+    for seed, grids in enumerate(BUCKET_CASES * 2):  # twice: stale rows from a larger batch in the padding
+        x = pixels(grids, 300 + seed)
+        got = graphed(x, np.asarray(grids))
+        want = model(x, grids, attn_backend=backend)
+        assert torch.equal(got, want), grids
+    assert graphed.buckets.replays == 2 * len(BUCKET_CASES)
+    assert graphed.replays == 0 and not graphed.graphs  # no per-grid-list graph, no eager first sighting
+
+
+def test_batches_buckets_cannot_take_go_the_per_grid_list_way(model):
+    from backends.encoder.graphs import MAX_MEDIA
+
+    backend = _bucket_backend()
+    graphed = GraphedEncoder(model, max_patches=2048, bucket_backend=backend)
+    graphed.capture_buckets()
+    many = [(1, 2, 2)] * (MAX_MEDIA + 1)  # more media than a bucket's cu_seqlens holds
+    large = [(1, 48, 48)]  # beyond the largest bucket
+    for grids in (many, large):
+        x = pixels(grids, 9)
+        for _ in range(3):
+            assert torch.equal(graphed(x, grids), model(x, grids))
+    assert graphed.buckets.replays == 0
+
+
+def test_a_bucketed_replay_does_not_sync_the_device(model):
+    graphed = GraphedEncoder(model, max_patches=1024, bucket_backend=_bucket_backend())
+    graphed.capture_buckets()
+    grids = GRID_LISTS[1]
+    x = pixels(grids, 4)
+    graphed(x, grids)  # the per-grid tables made once (a table's first upload is not the replay's)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphed(x, grids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
