@@ -40,14 +40,32 @@ class VisionResult:
     """What came back; an output the request did not ask for is None."""
 
     expanded_ids: np.ndarray | None  # (L',) int64
-    image_embeds: np.ndarray | None  # (tokens, text_hidden) float32 (BF16 widened); None from infer_into
+    # (tokens, text_hidden): float32 (BF16 widened exactly) by default; with the client's
+    # embeds_dtype="bf16", a BF16 output comes as uint16 holding the BF16 bit patterns (no widening,
+    # half the bytes; embeds_torch() views it as torch.bfloat16). None from infer_into.
+    image_embeds: np.ndarray | None
     grid_thws: np.ndarray | None  # (M, 3) int64
     token_counts: np.ndarray | None  # (M,) int64
     cuda_embeds: object = None  # torch tensor on the GPU with shm="cuda" and from infer_into
 
+    def embeds_float32(self) -> np.ndarray:
+        """image_embeds as float32 (BF16 bit patterns widened exactly)."""
+        e = self.image_embeds
+        if e.dtype == np.uint16:
+            return (e.astype(np.uint32) << 16).view(np.float32)
+        return np.asarray(e, dtype=np.float32)
+
+    def embeds_torch(self):
+        """image_embeds as a torch tensor without a copy: torch.bfloat16 for BF16 bit patterns (uint16),
+        else the array's own dtype."""
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(self.image_embeds))
+        return t.view(torch.bfloat16) if self.image_embeds.dtype == np.uint16 else t
+
     def checksum(self) -> str:
         """sha256 prefix over the embeddings' float32 bytes: equal results give equal checksums."""
-        return hashlib.sha256(np.ascontiguousarray(self.image_embeds, dtype=np.float32).tobytes()).hexdigest()[:16]
+        return hashlib.sha256(np.ascontiguousarray(self.embeds_float32()).tobytes()).hexdigest()[:16]
 
     def summary(self) -> str:
         lines = []
@@ -57,8 +75,8 @@ class VisionResult:
             for i, (grid, n) in enumerate(zip(self.grid_thws.tolist(), self.token_counts.tolist())):
                 kind = "image" if grid[0] == 1 else f"video chunk ({grid[0]} frames)"
                 lines.append(f"media {i} ({kind}): grid_thw {tuple(grid)} -> {n} tokens")
-        e = self.image_embeds
-        if e is not None:
+        if self.image_embeds is not None:
+            e = self.embeds_float32()
             lines.append(f"image embeds: shape {tuple(e.shape)} {e.dtype}, sum {float(e.sum(dtype=np.float64)):.6f}, "
                          f"sha256 {self.checksum()}")
         return "\n".join(lines)
@@ -81,15 +99,22 @@ UNREGISTER_RETRY_S = 10.0
 
 class KimiVisionClient:
     def __init__(self, url: str, protocol: str = "grpc", model: str | None = None, batched: bool = False,
-                 admin_key: str = ""):
+                 admin_key: str = "", embeds_dtype: str = "float32"):
         """batched=True talks to kimi_k25_vision_batched (cross-request batching on the server). Requests
         for EXPANDED_IDS and/or IMAGE_TOKEN_COUNTS alone go to kimi_placeholder(_batched), which reads
         only the images' headers, unless `model` names the model to ask.
         admin_key "<header>=<value>": the key of a server whose shared-memory API is restricted
         (`--admin-key` of the launcher); sent as that HTTP header, or over gRPC as the metadata
-        `triton-grpc-protocol-<header>`, which is how tritonserver reads it there."""
+        `triton-grpc-protocol-<header>`, which is how tritonserver reads it there.
+        embeds_dtype: how a BF16 IMAGE_EMBEDS (the GPU deployment's) comes back on the host: "float32"
+        (widened exactly; twice the bytes) or "bf16" (uint16 arrays of the BF16 bit patterns, taken from
+        the response without a copy; VisionResult.embeds_torch() gives torch.bfloat16). FP32 outputs
+        (the CPU deployment's) are float32 either way."""
         if protocol not in ("grpc", "http"):
             raise ValueError(f"protocol must be 'grpc' or 'http', got {protocol!r}")
+        if embeds_dtype not in ("float32", "bf16"):
+            raise ValueError(f"embeds_dtype must be 'float32' or 'bf16', got {embeds_dtype!r}")
+        self.embeds_dtype = embeds_dtype
         self.url, self.protocol, self.batched = url, protocol, batched
         # Shared-memory regions kept across requests (infer with shm="system" / "cuda"), released by close().
         self._pool: dict[str, list] = {"system": [], "cuda": []}
@@ -242,9 +267,9 @@ class KimiVisionClient:
     def _output(self, result, name: str) -> np.ndarray:
         array = result.as_numpy(name)
         if array.dtype.name == "bfloat16":
-            # tritonclient returns BF16 as ml_dtypes.bfloat16, which torch.from_numpy and much else
-            # refuse; widen exactly to float32, as the shared-memory paths do.
-            array = array.astype(np.float32)
+            # tritonclient returns BF16 as ml_dtypes.bfloat16 (a view of the response), which
+            # torch.from_numpy and much else refuse: its bits as uint16 (no copy), or widened exactly.
+            array = array.view(np.uint16) if self.embeds_dtype == "bf16" else array.astype(np.float32)
         return array[0] if self.batched else array
 
     def _result(self, r, wanted, **given) -> VisionResult:
@@ -325,7 +350,7 @@ class KimiVisionClient:
                 out.grow_to(capacity)
                 requested[wanted.index(contract.IMAGE_EMBEDS)].set_shared_memory(out.name, capacity)
             r = self._call([a, b], frames, requested, timeout_s)
-            embeds = out.read(r, self.batched) if contract.IMAGE_EMBEDS in wanted else None
+            embeds = out.read(r, self.batched, self.embeds_dtype) if contract.IMAGE_EMBEDS in wanted else None
             return self._result(r, [n for n in wanted if n != contract.IMAGE_EMBEDS], image_embeds=embeds)
 
     def _infer_cuda_shm(self, ids, blobs, frames, capacity, timeout_s, wanted, images_region=None):
@@ -335,7 +360,13 @@ class KimiVisionClient:
             region.grow_to(capacity)
             result = self._infer_into(region, ids, blobs, frames, timeout_s, wanted, images_region)
             embeds_gpu = result.cuda_embeds.clone()  # one device-to-device copy: the region is written again
-            result.cuda_embeds, result.image_embeds = embeds_gpu, embeds_gpu.float().cpu().numpy()
+            import torch
+
+            if embeds_gpu.dtype == torch.bfloat16 and self.embeds_dtype == "bf16":
+                host = embeds_gpu.view(torch.int16).cpu().numpy().view(np.uint16)
+            else:
+                host = embeds_gpu.float().cpu().numpy()
+            result.cuda_embeds, result.image_embeds = embeds_gpu, host
             return result
 
     def _infer_into(self, region: "CudaOutputRegion", ids, blobs, frames, timeout_s, wanted,
@@ -460,10 +491,11 @@ class SystemOutputRegion(_PosixRegion):
 
     prefix = "kimi_out"
 
-    def read(self, result, batched: bool) -> np.ndarray:
+    def read(self, result, batched: bool, embeds_dtype: str = "float32") -> np.ndarray:
         """IMAGE_EMBEDS of `result`, copied out of the region (the next request writes it again)."""
         shape, datatype = _output_meta(result, contract.IMAGE_EMBEDS)
-        embeds = _read_embeds(self._shm.get_contents_as_numpy(self.handle, np.uint8, [self.capacity]), shape, datatype)
+        embeds = _read_embeds(self._shm.get_contents_as_numpy(self.handle, np.uint8, [self.capacity]), shape, datatype,
+                              embeds_dtype)
         return embeds[0] if batched else embeds
 
 
@@ -567,10 +599,13 @@ def _output_meta(result, name: str) -> tuple[list[int], str]:
     return list(meta.shape), meta.datatype
 
 
-def _read_embeds(raw: np.ndarray, shape: list[int], datatype: str) -> np.ndarray:
+def _read_embeds(raw: np.ndarray, shape: list[int], datatype: str, embeds_dtype: str = "float32") -> np.ndarray:
+    """The embeddings out of a region's bytes, copied once (float32, or BF16 bit patterns as uint16)."""
     count = int(np.prod(shape))
     if datatype == "FP32":
         return raw[: count * 4].view(np.float32).reshape(shape).copy()
+    if datatype == "BF16" and embeds_dtype == "bf16":
+        return raw[: count * 2].view(np.uint16).reshape(shape).copy()
     if datatype == "BF16":
         # bfloat16 is the top half of a float32.
         halves = raw[: count * 2].view(np.uint16).astype(np.uint32) << 16

@@ -4,6 +4,10 @@
 (a) ours through tritonserver (GPU deployment of --checkpoint) over gRPC: the embeddings come back
     in the gRPC response (BF16; tritonclient returns ml_dtypes.bfloat16, KimiVisionClient widens it
     to a float32 numpy array);
+(a2) as (a) with `KimiVisionClient(embeds_dtype="bf16")`: the response's BF16 bits as they came;
+(a3) as (a2) over HTTP with binary tensor data;
+(b2) as (a), the images and IMAGE_EMBEDS through POSIX shared memory (`infer(..., shm="system")`, regions
+    from the client's pool);
 (b) the same server, IMAGE_EMBEDS written into client CUDA shared memory by
     `KimiVisionClient.infer(..., shm="cuda")`, which takes a region from the client's pool (registered
     at the first call), copies the embeddings out of it on the GPU and to a host float32 array;
@@ -47,6 +51,15 @@ IMPLEMENTATIONS = {
              "gRPC request (ids + JPEG bytes) over loopback; server: 1:1 check and resize plan, Pillow decode, "
              "GPU resize + normalize/patchify, MoonViT3d + projector (BF16); the BF16 embeddings back in the "
              "gRPC response, widened to float32 by KimiVisionClient"),
+    "grpc_bf16": ("(a2) ours, tritonserver, gRPC, embeds_dtype='bf16'", "host BF16 bits (uint16 array)",
+                  "as (a), but KimiVisionClient(embeds_dtype='bf16') hands back the response's BF16 bits as they "
+                  "came (no widening)"),
+    "http_bf16": ("(a3) ours, tritonserver, HTTP binary data, embeds_dtype='bf16'", "host BF16 bits (uint16 array)",
+                  "as (a2), over HTTP with binary tensor data (tritonclient.http)"),
+    "system_shm": ("(b2) ours, tritonserver, system shm (KimiVisionClient.infer, pooled regions)",
+                   "host float32 array",
+                   "as (a), but the images and IMAGE_EMBEDS go through two POSIX shared-memory regions from the "
+                   "client's pool (registered at the first call); the embeddings copied out and widened"),
     "cuda_shm_per_call": ("(b) ours, tritonserver, CUDA shm (KimiVisionClient.infer, pooled region)",
                           "client GPU buffer + host float32 copy",
                           "as (a), but the server writes IMAGE_EMBEDS into a CUDA buffer of the client: "
@@ -133,6 +146,8 @@ def main(argv=None) -> int:
     server = deployment_server(dep, "e2e")
     with server:
         client = KimiVisionClient(server.grpc_url)
+        bits = KimiVisionClient(server.grpc_url, embeds_dtype="bf16")
+        http = KimiVisionClient(server.http_url, protocol="http", embeds_dtype="bf16")
         try:
             registered = CudaOutputRegion(client, max(nbytes for *_, nbytes in requests.values()))
         except Exception as exc:  # noqa: BLE001
@@ -143,6 +158,9 @@ def main(argv=None) -> int:
             first = np.array(client.infer(ids, blobs).image_embeds)  # what every path is compared with (a copy)
             # Each path returns its embeddings: a host array (a), a GPU tensor (b, c, d).
             paths = {"grpc": lambda: client.infer(ids, blobs).image_embeds,
+                     "grpc_bf16": lambda: bits.infer(ids, blobs).embeds_torch(),
+                     "http_bf16": lambda: http.infer(ids, blobs).embeds_torch(),
+                     "system_shm": lambda: client.infer(ids, blobs, shm="system", output_capacity=nbytes).image_embeds,
                      "cuda_shm_per_call": lambda: client.infer(ids, blobs, shm="cuda", output_capacity=nbytes).cuda_embeds}
             if registered:
                 paths["cuda_shm_registered"] = lambda: client.infer_into(registered, ids, blobs).cuda_embeds
@@ -171,7 +189,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         if registered:
             registered.close()
-        client.close()
+        for c in (client, bits, http):
+            c.close()
 
     lines = ["# End to end: JPEG bytes to image embeddings, tritonserver (GPU deployment) vs in-process reference\n",
              f"{machine_line()}\n",
