@@ -14,7 +14,9 @@
 #   preprocess  GPU preprocessing against the checkpoint processor (lab/bench/preprocess_bench.py)
 #   decode      exact GPU JPEG decoding against Pillow (lab/bench/decode_bench.py)
 #   perf        perf_analyzer, 1x1024^2 and 8x448^2 at concurrency 1 and 16, the encoder alone in the same
-#               run (lab/bench/perf.py)
+#               run (lab/bench/perf.py; PERF_ENSEMBLES=plain for one ensemble)
+#   perf3000    the same for 1x3000^2 at concurrency 1 and 4
+#   mixed       sizes never seen: the first request after start-up, 40 random sizes twice (lab/bench/mixed_sizes.py)
 #   e2e         JPEG bytes to embeddings through the server against the reference (lab/bench/e2e_bench.py)
 #   soak        10000 mixed requests at concurrency 16, memory sampled (lab/bench/soak.py)
 #   profile     the encoder's kernels by GPU time (lab/bench/profile_encoder.py)
@@ -60,6 +62,7 @@ rm -f "$out"/*.log  # a warm machine's earlier call must not pass for this one's
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
   python3 -c "import torch, PIL, numpy, transformers; print('torch', torch.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)"
   python3 -c "import torch; from backends.encoder.attention import available_backends; print('attention backends:', available_backends(torch.device('cuda'), torch.bfloat16))"
+  [[ -d /tmp/fa4/flash_attn ]] || echo "flash-attn-4 is not installed: run the fa4a and fa4b stages first (every GPU figure is taken with it)"
 } 2>&1 | tee "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
@@ -83,14 +86,19 @@ for stage in "$@"; do
     encoder) python3 -m lab.bench.encoder_bench --out "$out" > "$out/encoder.log" 2>&1; tail -30 "$out/encoder.log" ;;
     preprocess) python3 -m lab.bench.preprocess_bench --out "$out" > "$out/preprocess.log" 2>&1; tail -20 "$out/preprocess.log" ;;
     decode) python3 -m lab.bench.decode_bench --out "$out" > "$out/decode.log" 2>&1; tail -20 "$out/decode.log" ;;
-    perf)
+    perf|perf3000)
       perf_setup; random_checkpoint
-      for images in 1024 8x448; do
+      if [[ $stage == perf ]]; then runs="1024:1,16 8x448:1,16"; else runs="3000:1,4"; fi
+      for run in $runs; do
+        images=${run%%:*}
         python3 -m lab.bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --measurement-ms 3000 \
-          --shared-memory cuda --encoder-alone --images $images --concurrency 1,16 --ensembles plain,batched \
-          --out "$out/perf-$images" --section "perf-$images" > "$out/perf_$images.log" 2>&1
+          --shared-memory cuda --encoder-alone --images $images --concurrency ${run#*:} \
+          --ensembles ${PERF_ENSEMBLES:-plain,batched} --out "$out/perf-$images" --section "perf-$images" > "$out/perf_$images.log" 2>&1
         tail -16 "$out/perf_$images.log"
       done ;;
+    mixed) random_checkpoint
+      python3 -m lab.bench.mixed_sizes --device gpu --checkpoint /tmp/kimi-random --section mixed_sizes > "$out/mixed.log" 2>&1
+      grep -v "^[IWE]1[0-9]" "$out/mixed.log" | tail -8 ;;
     e2e) random_checkpoint
       python3 -m lab.bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" > "$out/e2e.log" 2>&1; tail -20 "$out/e2e.log" ;;
     soak)
