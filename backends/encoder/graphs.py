@@ -101,6 +101,7 @@ class BucketedGraphs:
         self.sizes = bucket_sizes(max_patches)
         self.num_seqs = MAX_MEDIA + PAD_SEQS
         self.buckets: dict[int, _Bucket] = {}
+        self.failed: dict[int, str] = {}  # bucket size -> why its capture failed (batches go to the next one)
         self.replays = 0
         self.capture_s = 0.0
         cfg, dev, dtype, top = model.cfg, model.device, model.dtype, max(self.sizes)
@@ -116,7 +117,10 @@ class BucketedGraphs:
     def bucket_for(self, grids: list[tuple[int, int, int]], patches: int) -> int | None:
         if not (0 < patches <= self.sizes[-1]) or len(grids) > MAX_MEDIA:
             return None
-        return self.sizes[bisect.bisect_left(self.sizes, patches)]
+        for size in self.sizes[bisect.bisect_left(self.sizes, patches):]:
+            if size in self.buckets:
+                return size
+        return None
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.pixels, self.pos, self.rope, self.out, self.cu_seqlens] if self.buckets else []
@@ -130,7 +134,7 @@ class BucketedGraphs:
         t0, done = time.monotonic(), 0
         model, dev = self.model, self.model.device
         for size in sorted(self.sizes, reverse=True):
-            if size in self.buckets:
+            if size in self.buckets or size in self.failed:
                 continue
             self.cu_seqlens.copy_(torch.from_numpy(padded_cu_seqlens([], size, self.num_seqs)))
             meta = ForwardMetadata(grids=[], seq_lens=[], max_seqlen=size, cu_seqlens=self.cu_seqlens,
@@ -147,8 +151,14 @@ class BucketedGraphs:
                 run()
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
-                run()
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    run()
+            except Exception as exc:  # noqa: BLE001 - that bucket's batches run in the next larger one
+                self.failed[size] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                log.warning("CUDA graph capture of the %d-patch bucket failed (%s); its batches run in the next "
+                            "larger bucket", size, self.failed[size])
+                continue
             self.buckets[size] = _Bucket(graph, meta)
             done += 1
         torch.cuda.synchronize(dev)
@@ -253,8 +263,9 @@ class GraphedEncoder:
         self.captures += n
         self.changes += n
         sizes = self.buckets.sizes
-        return (f"{len(self.buckets.buckets)} CUDA graphs captured ({self.buckets.backend} attention, patch buckets "
-                f"{sizes[0]}..{sizes[-1]}) in {self.buckets.capture_s:.1f} s")
+        failed = f", {len(self.buckets.failed)} failed" if self.buckets.failed else ""
+        return (f"{len(self.buckets.buckets)} CUDA graphs captured{failed} ({self.buckets.backend} attention, patch "
+                f"buckets {sizes[0]}..{sizes[-1]}) in {self.buckets.capture_s:.1f} s")
 
     def _streams(self) -> None:
         if self._side is None:

@@ -164,7 +164,7 @@ def test_bucketed_replays_equal_eager_for_sizes_never_seen(model):
     backend = _bucket_backend()
     graphed = GraphedEncoder(model, max_patches=4096, bucket_backend=backend)
     line = graphed.capture_buckets()
-    assert f"{len(graphed.buckets.sizes)} CUDA graphs captured" in line, line
+    assert not graphed.buckets.failed, graphed.buckets.failed
     for seed, grids in enumerate(BUCKET_CASES * 2):  # twice: stale rows from a larger batch in the padding
         x = pixels(grids, 300 + seed)
         got = graphed(x, np.asarray(grids))
