@@ -15,7 +15,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 CKPT_ARG := $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
-.PHONY: setup compiler run serve test unit integration lab-test validate configs perf soak clean
+.PHONY: setup compiler run serve test unit integration lab-test validate configs perf soak image-test clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,12 @@ endif
 SOAK_REQUESTS ?= 2000
 soak: setup
 	$(PY) -m lab.bench.soak --device $(DEVICE) $(CKPT_ARG) --requests $(SOAK_REQUESTS) --section soak
+
+# The image for real (docker/build_and_run.sh): podman and debootstrap from apt where absent, a Debian base made
+# here, docker/Dockerfile built on it with KIMI_DEVICE=cpu, run, `make run`'s request sent to it and its checksum
+# checked against the README's. Needs root (or sudo); about 3 minutes from nothing (CI runs it).
+image-test: setup
+	bash docker/build_and_run.sh
 
 clean:
 	rm -rf build .pytest_cache lab/out

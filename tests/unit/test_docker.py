@@ -102,3 +102,71 @@ def test_the_entrypoint_takes_a_set_checkpoint_as_it_is_and_serves_the_demo_with
                          env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"}, timeout=30)
     argv = out.stdout.splitlines()
     assert out.returncode == 0 and argv[argv.index("--checkpoint") + 1] == want, out
+
+
+SCRIPT = ROOT / "docker" / "build_and_run.sh"
+
+
+def _pins(path: Path) -> dict[str, list[str]]:
+    """name -> the `==` pins a requirements file lists for it (several where markers pick one)."""
+    pins: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^]]*\])?==([^ ;]+)\s*(;.*)?", line)
+            assert m, f"{path.name}: {line!r} is not pinned with =="
+            pins.setdefault(m.group(1).lower(), []).append(m.group(3))
+    return pins
+
+
+def test_the_image_requirements_are_pinned_and_agree_with_the_project():
+    """Every line of the image's requirement files is an exact pin; what the CPU image shares with the
+    development machine (requirements.txt) is the same version; nvidia-pytriton is read from there."""
+    project = _pins(ROOT / "requirements.txt")
+    files = {name: _pins(ROOT / "docker" / name) for name in
+             ("requirements.txt", "requirements-cpu.txt", "requirements-gpu.txt", "requirements-flash-attn4.txt")}
+    cpu = {**files["requirements.txt"], **files["requirements-cpu.txt"]}
+    for name, versions in cpu.items():
+        if name in project:
+            assert project[name][0] in [v.split("+")[0] for v in versions], (name, versions, project[name])
+    assert files["requirements-cpu.txt"]["torch"][0].endswith("+cpu")
+    gpu = files["requirements-gpu.txt"]
+    # torchvision 0.(N+15) goes with torch 2.N: the one whose libnvjpeg the GPU decoder uses.
+    assert int(gpu["torchvision"][0].split(".")[1]) == int(gpu["torch"][0].split(".")[1]) + 15
+    assert "nvidia-pytriton" not in cpu and "nvidia-pytriton" in project
+    assert "'^nvidia-pytriton=='" in DOCKERFILE.read_text()
+
+
+def test_the_build_script_passes_what_the_dockerfile_takes():
+    """The build arguments and secrets docker/build_and_run.sh passes are ones the Dockerfile declares and
+    mounts; the checksum it checks is read from README.md's `make run` block; `make image-test` runs it."""
+    script = SCRIPT.read_text()
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    declared = {args.split("=", 1)[0].strip() for op, args in _instructions() if op == "ARG"}
+    passed = set(re.findall(r"--build-arg\s+\"?([A-Z_0-9]+)=", script))
+    assert passed and passed <= declared, passed - declared
+    mounted = set(re.findall(r"--mount=type=secret,id=([^ ,]+)", DOCKERFILE.read_text()))
+    assert set(re.findall(r'--secret "id=([^,]+),', script)) <= mounted == {"pip.conf", "pip-cert"}
+    pattern = re.search(r"expected=\$\(sed -n -E '(s/[^']+)' README.md", script).group(1)
+    out = subprocess.run(["sed", "-n", "-E", pattern, str(ROOT / "README.md")], capture_output=True, text=True)
+    assert re.fullmatch(r"[0-9a-f]{16}\n", out.stdout), out
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^image-test: setup\n\tbash docker/build_and_run.sh$", make, re.M)
+
+
+@pytest.mark.parametrize("env,want", [({}, "unset"), ({"KIMI_TRITONSERVER": ""}, ""),
+                                      ({"KIMI_TRITONSERVER": "/x/tritonserver"}, "/x/tritonserver")])
+def test_the_entrypoint_picks_the_base_images_tritonserver_only_when_unset(tmp_path, env, want):
+    """Set, KIMI_TRITONSERVER is taken as it is (empty: the embedded server); unset, it stays unset where
+    the base has no /opt/tritonserver (a Debian base), and the launcher runs the embedded server."""
+    import os
+
+    if Path("/opt/tritonserver/bin/tritonserver").exists():
+        pytest.skip("this host has /opt/tritonserver")
+    fake = tmp_path / "python3"
+    fake.write_text('#!/bin/sh\necho "${KIMI_TRITONSERVER-unset}"\n')
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if k != "KIMI_TRITONSERVER"}
+    out = subprocess.run(["bash", str(ENTRYPOINT)], capture_output=True, text=True,
+                         env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"}, timeout=30)
+    assert out.returncode == 0 and out.stdout == want + "\n", out
