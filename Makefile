@@ -15,15 +15,32 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 CKPT_ARG := $(if $(CHECKPOINT),--checkpoint $(CHECKPOINT),)
 
-.PHONY: setup compiler run serve test unit integration lab-test validate configs perf soak image-test clean
+.PHONY: setup jemalloc compiler run serve test unit integration lab-test validate configs perf soak image-test clean
 
-setup: $(STAMP)
+setup: $(STAMP) jemalloc
 
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	@rm -f $(VENV)/.installed-*; touch $@
+
+# jemalloc, which the launcher preloads for tritonserver and its stubs so that heap memory returns after
+# a peak (backends/deploy/allocator.py): the system's where there is one, else Debian's libjemalloc2
+# unpacked into the virtualenv (apt-get download needs no root). Not fatal: without it the server runs
+# on glibc's malloc and the launcher says so.
+JEMALLOC := $(VENV)/lib/jemalloc/libjemalloc.so.2
+jemalloc: $(STAMP)
+	@if ! ls /usr/lib/*-linux-gnu/libjemalloc.so.2 /usr/lib64/libjemalloc.so.2 >/dev/null 2>&1 && [ ! -f $(JEMALLOC) ]; then \
+	  tmp=$$(mktemp -d); \
+	  if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null \
+	     && (cd $$tmp && apt-get download -q libjemalloc2 >/dev/null 2>&1) \
+	     && dpkg-deb -x $$tmp/libjemalloc2_*.deb $$tmp/x && mkdir -p $(dir $(JEMALLOC)) \
+	     && cp $$tmp/x/usr/lib/*/libjemalloc.so.2 $(JEMALLOC); then \
+	    echo "jemalloc: Debian's libjemalloc2 unpacked into $(JEMALLOC)"; \
+	  else echo "note: no jemalloc here (apt-get download libjemalloc2 failed); the server runs on glibc's malloc"; fi; \
+	  rm -rf $$tmp; \
+	fi
 
 # The tests build the JPEG scan check (backends/preprocess/scan_check.c) with the host's C compiler.
 compiler:

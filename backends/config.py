@@ -129,14 +129,42 @@ class VisionConfig:
                    torch_dtype=d["torch_dtype"])
 
 
+# Header, metadata (EXIF, ICC profile, XMP) and row padding an honest encoder may add to an image's pixels.
+IMAGE_HEADER_SLACK_BYTES = 1 << 20
+
+
+def image_bytes_bound(max_pixels: int) -> int:
+    """The most bytes an honest encoded image of `max_pixels` pixels takes: its 8-bit RGB pixels stored
+    uncompressed (BMP, TIFF, PPM: 3 bytes a pixel; JPEG, PNG and WebP compress them) plus header slack.
+    179 M pixels (max_image_pixels) give 538 MB."""
+    return 3 * max_pixels + IMAGE_HEADER_SLACK_BYTES
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-request limits (model config parameters). Every violation is a RequestError naming the limit
-    and the request's own value."""
+    and the request's own value.
+
+    The byte limits are checked before any image byte is copied or read (docs/operations.md#memory);
+    left at None they are derived from `max_image_pixels`: `max_image_bytes` is the largest an honest
+    image of that many pixels can be (image_bytes_bound), and `max_request_bytes` the same figure, so
+    that one such image fits a request alone and any mix of smaller ones up to that total does
+    (64 photos of 8 MB)."""
 
     max_images: int = 64  # IMAGES entries (frames count one each)
     max_patches: int = 16384 * 8
     max_image_pixels: int = 179_000_000  # Pillow's own hard bomb limit (2 x MAX_IMAGE_PIXELS)
+    max_image_bytes: int | None = None  # one IMAGES entry; None: image_bytes_bound(max_image_pixels)
+    max_request_bytes: int | None = None  # all IMAGES entries of a request together; None: max_image_bytes
+
+    def __post_init__(self):
+        if self.max_image_bytes is None:
+            object.__setattr__(self, "max_image_bytes", image_bytes_bound(self.max_image_pixels))
+        if self.max_request_bytes is None:
+            object.__setattr__(self, "max_request_bytes", self.max_image_bytes)
+        for name in ("max_images", "max_patches", "max_image_pixels", "max_image_bytes", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 # The embedded default: the real K2.5 preprocessing rule and token ids with a tiny MoonViT3d

@@ -17,6 +17,7 @@ Either way the stub gets its own environment (stub_env.py) first on the server's
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.config import env_flag, env_int
-from backends.deploy import mps, ports as port_check
+from backends.deploy import allocator as heap, mps, ports as port_check
 from backends.deploy.ports import free_ports
 from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
@@ -68,6 +69,11 @@ class TritonInstall:
     backend_dir: Path
     lib_dirs: tuple[str, ...] = ()
 
+    def supports(self, flag: str) -> bool:
+        """Whether this tritonserver knows `flag` (its --help names it): newer releases add flags 2.51 lacks
+        and refuses, e.g. --http-max-input-size (2.59)."""
+        return flag in _help_text(str(self.binary), self.lib_dirs)
+
     @classmethod
     def find(cls, binary: str | None = None) -> "TritonInstall":
         binary = binary or os.environ.get("KIMI_TRITONSERVER")
@@ -93,6 +99,17 @@ class TritonInstall:
         libdir = _libpython_dir(BUILD / "libpython")
         return cls(root / "bin" / "tritonserver", _embedded_backend_dir(root, BUILD / "backends"),
                    tuple(p for p in (libdir, str(pkg.parent / "nvidia_pytriton.libs")) if p))
+
+
+@functools.lru_cache(maxsize=8)
+def _help_text(binary: str, lib_dirs: tuple[str, ...]) -> str:
+    """tritonserver --help (it exits 1 after printing it), once per binary; "" if it cannot be run."""
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join((*lib_dirs, os.environ.get("LD_LIBRARY_PATH", "")))}
+    try:
+        out = subprocess.run([binary, "--help"], env=env, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout + out.stderr
 
 
 def _libpython_dir(dest: Path) -> str:
@@ -155,7 +172,7 @@ EXIT_TIMEOUT_S = 25
 def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pools: dict[int, int],
                          address: str = "0.0.0.0", metrics: tuple[str, int] | None = None,
                          shm_prefix: str = "", admin_key: str = "", trace_file: Path | None = None,
-                         extra_args: tuple[str, ...] = ()) -> list[str]:
+                         http_max_input_bytes: int | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
     """The tritonserver command line: the one place it is written.
 
     address: where HTTP and gRPC listen (0.0.0.0 to serve other hosts). metrics: (address, port) of
@@ -163,7 +180,10 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
     serves the public one. admin_key "<header>=<value>": the ADMIN_APIS answer only requests that
     carry it (HTTP header; gRPC metadata triton-grpc-protocol-<header>). trace_file: where tritonserver
     writes request traces once they are turned on through its trace API (clients/tracing.py); the
-    server starts with tracing off, and 2.51 accepts a file only on its command line."""
+    server starts with tracing off, and 2.51 accepts a file only on its command line.
+    http_max_input_bytes: the HTTP front end's limit on a request's inputs, passed where the server has
+    the flag (2.59 on; its default there, 64 MiB, would refuse requests our limits allow). No tritonserver
+    release has a gRPC size flag (docs/triton_runtime.md#request-size)."""
     metrics_address, metrics_port = metrics or (address, ports.metrics)
     cmd = [
         str(install.binary),
@@ -176,7 +196,13 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         # that dies is healed by restarting the server (supervisor.py), never by reloading a model.
         "--model-control-mode=none",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+        # No pooled gRPC request objects: a pooled one keeps the capacity of the largest request it held
+        # (its protobuf strings), so 8 (the default) kept up to 8 times the largest request's bytes for
+        # the server's life (docs/operations.md#memory). One allocation per request instead.
+        "--grpc-infer-allocation-pool-size=0",
     ]
+    if http_max_input_bytes and install.supports("--http-max-input-size"):
+        cmd.append(f"--http-max-input-size={http_max_input_bytes}")
     if shm_prefix:  # the server's Python-backend regions in /dev/shm, so that what a dead stub leaves can be removed
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if admin_key:
@@ -208,16 +234,20 @@ def server_env(install: TritonInstall, stub_bin_dir: Path, extra: dict[str, str]
 
 
 def shm_note(dep: Deployment) -> str:
-    """How much /dev/shm the deployment may need (Deployment.shm_ceiling_bytes) against what there is."""
-    need = dep.shm_ceiling_bytes()
+    """How much /dev/shm the deployment may need (Deployment.shm_ceiling_bytes for tensors between steps,
+    images_shm_bytes for the requests' encoded images) against what there is."""
+    tensors, images = dep.shm_ceiling_bytes(), dep.images_shm_bytes()
+    need = tensors + images
     try:
         have = shutil.disk_usage("/dev/shm").total
     except OSError:
         have = 0
     text = (f"/dev/shm: the Python backend's regions can grow to {need / 2**30:.1f} GiB under the limits "
-            f"(they never shrink in tritonserver 2.51); this host has {have / 2**30:.1f} GiB")
+            f"({tensors / 2**30:.1f} GiB of tensors between steps, {images / 2**30:.1f} GiB of encoded images at "
+            f"max_request_bytes; they never shrink in tritonserver 2.51); this host has {have / 2**30:.1f} GiB")
     return text + ("" if have >= need else ". WARNING: requests at the limits can fail; give /dev/shm more "
-                   "(docker --shm-size, a Memory emptyDir on Kubernetes) or lower max_patches / max_batch")
+                   "(docker --shm-size, a Memory emptyDir on Kubernetes) or lower max_patches / max_batch / "
+                   "max_request_bytes")
 
 
 def scan_check_note() -> str:
@@ -243,8 +273,11 @@ class TritonServer:
                  cuda_pools: dict[int, int] | None = None, extra_args: tuple[str, ...] = (),
                  install: TritonInstall | None = None, address: str = "127.0.0.1",
                  metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None,
-                 trace_file: Path | None = None, reaper=None):
+                 trace_file: Path | None = None, reaper=None, http_max_input_bytes: int | None = None,
+                 allocator: heap.Allocator | None = None):
         self.repository = Path(repository).resolve()
+        self.http_max_input_bytes = http_max_input_bytes
+        self.allocator = allocator  # None: heap.find() at the first launch (KIMI_MALLOC, else jemalloc if any)
         self.reaper = reaper  # the launcher's (reaper.py): what this server starts dies with the launcher
         self.env = dict(env or {})  # on top of ours, for the server and its stubs
         self.ports = ports
@@ -282,7 +315,7 @@ class TritonServer:
         return tritonserver_command(self.install, self.repository, self.ports, cuda_pools=self.cuda_pools,
                                     address=self.address, metrics=(metrics_address, self.metrics_port),
                                     shm_prefix=self.shm_prefix, admin_key=self.admin_key, trace_file=self.trace_file,
-                                    extra_args=self.extra_args)
+                                    http_max_input_bytes=self.http_max_input_bytes, extra_args=self.extra_args)
 
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
@@ -290,6 +323,9 @@ class TritonServer:
         if self.trace_file is not None:  # tritonserver writes traces with no word if the folder is missing
             self.trace_file.parent.mkdir(parents=True, exist_ok=True)
         env = server_env(self.install, stub_bin(STUB_ENV), self.env)
+        if self.allocator is None:
+            self.allocator = heap.find()
+        env.update(self.allocator.env(env))  # the stubs inherit it with the rest
         self.shm_prefix = f"kimi_{uuid.uuid4().hex[:12]}_"  # fresh per launch: what to clean up after it
         if stream_log:  # to our standard output and to the log file, which a failed start is read from
             self.proc = subprocess.Popen(self.command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -435,6 +471,7 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     the deployment, supervised (a dead stub restarts the server; supervisor.py) unless told not to."""
     repo = render_repository(dep, repository or BUILD / f"model_repository-{name}")
     kwargs.setdefault("cuda_pools", dep.cuda_pools())
+    kwargs.setdefault("http_max_input_bytes", dep.http_max_input_bytes())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
     private = None  # the supervised server's own metrics port, distinct from the public ones
     if ports is None:
@@ -556,6 +593,7 @@ def main(argv=None) -> int:
                          cache_bytes=args.cache_bytes)
         dep.vision
         args.install = TritonInstall.find(args.tritonserver)
+        args.allocator = heap.find()
     except (OSError, ValueError, RuntimeError) as exc:
         _error(str(exc))
         return 2
@@ -604,12 +642,14 @@ def _serve_rendered(args, device: str, dep: Deployment, daemon: mps.Daemon | Non
                                install=getattr(args, "install", None) or TritonInstall.find(args.tritonserver),
                                extra_args=tuple(args.extra),
                                address=args.address, admin_key=args.admin_key, env=daemon.env() if daemon else None,
-                               trace_file=args.trace_file, reaper=getattr(args, "reaper", None))
+                               trace_file=args.trace_file, reaper=getattr(args, "reaper", None),
+                               allocator=getattr(args, "allocator", None) or heap.find())
     print(f"rendered {device} repository at {server.repository}; starting tritonserver on {args.address} "
           f"(HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port})", flush=True)
     if device == "cpu" and gpu_count() == 0:
         print(CPU_STARTUP_NOTE, flush=True)
     print(shm_note(dep), flush=True)
+    print(getattr(server, "server", server).allocator.note(), flush=True)
     if device == "gpu":
         print(scan_check_note(), flush=True)
     return _serve(server)

@@ -34,6 +34,11 @@ MODELS = topology.MODELS
 SOURCE_OF = {**topology.TWINS, BATCHED_ENSEMBLE: ENSEMBLE}
 
 
+# What an HTTP request carries besides its IMAGES bytes, for the HTTP front end's size limit: the prompt's
+# ids (8 bytes each: 64 MiB is 8 M of them), MEDIA_FRAMES, the 4-byte length of each IMAGES entry and
+# the JSON header.
+HTTP_INPUT_SLACK_BYTES = 64 << 20
+
 # The embedding cache's default budget per encoder instance: a few hundred 1024^2 images' rows of the
 # real model on a GPU (19.6 MB each in BF16), host memory on CPU.
 CACHE_DEFAULT_BYTES = {"gpu": 4 << 30, "cpu": 1 << 30}
@@ -117,6 +122,20 @@ class Deployment:
         embeds = self.limits.max_patches // enc.merge_tokens * enc.text_hidden_size * bytes_per_value
         return pixels, embeds
 
+    def http_max_input_bytes(self) -> int:
+        """The HTTP front end's limit on one request's inputs (--http-max-input-size, where the server has
+        it): the most IMAGES bytes the limits let through, plus the rest of a request."""
+        return self.limits.max_request_bytes + HTTP_INPUT_SLACK_BYTES
+
+    def images_shm_bytes(self) -> int:
+        """The most encoded image bytes the Python backend's regions can come to hold under the limits,
+        on a CPU or a GPU deployment alike (BYTES inputs always pass through them): tritonserver copies a
+        request's IMAGES into its preprocessing instance's region, whose next request's are copied in
+        before the last one's are let go (two requests' worth, measured), and into moonvit3d's, which
+        takes a full batch of requests (the ensemble hands it IMAGES for the media its cache lost)."""
+        per_gpu = 2 * self.preprocess_instances + self.encoder_instances * self.max_batch
+        return per_gpu * (self.gpus if self.device == "gpu" else 1) * self.limits.max_request_bytes
+
     def shm_ceiling_bytes(self) -> int:
         """The most /dev/shm the Python backend can come to hold under the limits.
 
@@ -125,8 +144,7 @@ class Deployment:
         2.51 (docs/triton_runtime.md#known-server-limitations). Bound: each preprocessing instance's
         largest PIXEL_VALUES, and moonvit3d taking a full batch of such requests plus their
         embeddings. The limits enforce it; a GPU deployment passes the tensors between steps on the
-        GPU, so its regions hold a few MiB (0 here). Encoded image bytes come on top (they are the
-        request's own)."""
+        GPU, so its regions hold a few MiB (0 here). Encoded image bytes come on top (images_shm_bytes)."""
         if self.device == "gpu":
             return 0
         pixels, embeds = self._largest_tensors_bytes(4)  # FP32

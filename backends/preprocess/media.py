@@ -52,10 +52,51 @@ def split_media(num_blobs: int, media_frames, media: MediaConfig) -> list[tuple[
     return groups
 
 
-def check_image_count(num_blobs: int, limits: Limits) -> None:
+def image_count_error(num_blobs: int, limits: Limits) -> RequestError | None:
     if num_blobs > limits.max_images:
-        raise RequestError(f"{num_blobs} images in one request exceeds the limit max_images={limits.max_images}",
-                           "image_count_limit")
+        return RequestError(f"{num_blobs} images in one request exceeds the limit max_images={limits.max_images}",
+                            "image_count_limit")
+    return None
+
+
+def check_image_count(num_blobs: int, limits: Limits) -> None:
+    # Raised as made, never held in a local: a raised error's traceback holds this frame, and a frame
+    # holding the error makes a cycle that keeps the request's data alive until the cycle collector runs.
+    if image_count_error(num_blobs, limits) is not None:
+        raise image_count_error(num_blobs, limits)
+
+
+def image_bytes_error(sizes: Sequence[int], limits: Limits) -> RequestError | None:
+    """The error for IMAGES entries of these byte lengths, in the order checked (count, each image,
+    the request's total), or None. From the lengths alone: nothing is read or copied to find it (the
+    stub's unpacking of BYTES inputs asks this before it copies anything: backends/serving/bytes_inputs.py)."""
+    error = image_count_error(len(sizes), limits)
+    if error is not None:
+        return error
+    for i, n in enumerate(sizes):
+        if n > limits.max_image_bytes:
+            return RequestError(f"image {i}: {n} bytes exceeds the limit max_image_bytes={limits.max_image_bytes}",
+                                "image_bytes_limit")
+    total = sum(sizes)
+    if total > limits.max_request_bytes:
+        return RequestError(f"the request's {len(sizes)} images are {total} bytes in all, exceeding the limit "
+                            f"max_request_bytes={limits.max_request_bytes}", "request_bytes_limit")
+    return None
+
+
+def _nbytes(blob) -> int:
+    """An entry's byte length (a memoryview of any shape by its bytes; anything else is refused later, by
+    open_image, as missing image bytes)."""
+    if isinstance(blob, memoryview):
+        return blob.nbytes
+    return len(blob) if isinstance(blob, (bytes, bytearray)) else 0
+
+
+def check_image_bytes(blobs: Sequence, limits: Limits) -> None:
+    """Refuse too many IMAGES entries, or too many bytes in one or in all, before any is read."""
+    sizes = [_nbytes(b) for b in blobs]
+    if image_bytes_error(sizes, limits) is not None:  # raised as made (check_image_count says why)
+        raise image_bytes_error(sizes, limits)
 
 
 def plan_media(sizes: Sequence[tuple[int, int]], media: MediaConfig, limits: Limits, media_frames=None) -> list[MediaPlan]:

@@ -35,7 +35,7 @@ from backends.preprocess.bicubic import resize_bicubic
 from backends.preprocess.decode import HeaderOnly, open_image
 from backends.preprocess.decoders import Decoder, Decoding, Frame, PillowDecoder
 from backends.preprocess.jpeg_gpu import GpuJpegDecoder
-from backends.preprocess.media import MediaPlan, check_image_count, plan_media
+from backends.preprocess.media import MediaPlan, check_image_bytes, plan_media
 from backends.preprocess.normalize import normalization_table
 from backends.preprocess.resize_rule import ResizePlan
 from backends.preprocess.views import spacing, stacked
@@ -44,9 +44,9 @@ log = logging.getLogger("kimi_vision.preprocess")
 
 
 def open_images(blobs: Sequence[bytes], limits: Limits) -> list[Image.Image | HeaderOnly]:
-    """Every image's header, nothing decoded: too many images, garbage and bombs are refused here
-    (kimi_placeholder called with IMAGES needs no more than this)."""
-    check_image_count(len(blobs), limits)
+    """Every image's header, nothing decoded: too many images, too many bytes, garbage and bombs are
+    refused here (kimi_placeholder called with IMAGES needs no more than this)."""
+    check_image_bytes(blobs, limits)
     return [open_image(b, i, limits.max_image_pixels) for i, b in enumerate(blobs)]
 
 

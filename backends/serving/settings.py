@@ -33,8 +33,8 @@ class ModelSettings:
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], device: str = "cpu") -> "ModelSettings":
-        base = Limits()
-        limits = Limits(**{f.name: int(params.get(f.name, getattr(base, f.name))) for f in fields(Limits)})
+        # A limit the parameters leave out takes its default (the byte limits: derived from the pixel limit).
+        limits = Limits(**{f.name: int(params[f.name]) for f in fields(Limits) if params.get(f.name)})
         checkpoint = params.get("checkpoint", "")
         # What the renderer writes; a repository written by hand falls back to the checkpoint's own config
         # (never the demo's for a checkpoint).

@@ -22,7 +22,7 @@ from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
 from backends.errors import RequestCancelled, RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
-from backends.preprocess.media import check_image_count, plan_media, split_media
+from backends.preprocess.media import check_image_bytes, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
 from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, MEDIA_CACHED, MEDIA_KEYS, PIXEL_VALUES
 
@@ -92,6 +92,7 @@ class PlaceholderStep:
         else:
             if images is None:
                 raise RequestError("missing input: IMAGES (or IMAGE_TOKEN_COUNTS)", "bad_tensor")
+            check_image_bytes(images, self.limits)  # from the lengths alone, as preprocessing does
             ids = check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
             sizes = [img.size for img in open_images(images, self.limits)]
             counts = [m.plan.num_tokens for m in plan_media(sizes, self.cfg.media, self.limits, media_frames)]
@@ -105,8 +106,9 @@ class PreprocessStep:
     """IMAGES (+ MEDIA_FRAMES, + INPUT_IDS to check first, + IMAGE_TOKEN_COUNTS to cross-check)
     -> PIXEL_VALUES + GRID_THWS + IMAGE_TOKEN_COUNTS + MEDIA_KEYS + MEDIA_CACHED.
 
-    The ensemble's first step: given INPUT_IDS it refuses a prompt that breaks the 1:1 rule before
-    any image byte is read, so that a bad request fails here, in one step, and kimi_placeholder
+    The ensemble's first step: it refuses too many images or bytes from the IMAGES lengths alone
+    (Limits.max_images, max_image_bytes, max_request_bytes), then, given INPUT_IDS, a prompt that breaks
+    the 1:1 rule before any image byte is read, so that a bad request fails here, in one step, and kimi_placeholder
     (which then only expands ids) can run beside the encoder without ever failing with it: tritonserver
     2.51 never answers a request whose parallel steps both fail
     (docs/triton_runtime.md#known-server-limitations).
@@ -126,7 +128,7 @@ class PreprocessStep:
         """Each media's cache key, in order; [] with the cache off."""
         if self.cache_context is None:
             return []
-        check_image_count(len(images), self.pre.limits)  # hash no more bytes than a request may bring
+        check_image_bytes(images, self.pre.limits)  # hash no more images or bytes than a request may bring
         return [media_key(self.cache_context, [images[i] for i in frames], is_video)
                 for frames, is_video in split_media(len(images), media_frames, self.cfg.media)]
 
@@ -134,6 +136,7 @@ class PreprocessStep:
                  cancelled=None, input_ids=None, encoder_follows: bool = False):
         """`encoder_follows`: an encoder that completes left-out media comes next (the ensembles); else
         every media's pixels are computed."""
+        check_image_bytes(images, self.pre.limits)  # from the lengths alone, before the prompt and any byte
         if input_ids is not None:
             check_prompt(input_ids, self.cfg, _num_media(len(images), media_frames, self.cfg), media_frames)
         keys = self.keys(images, media_frames)

@@ -24,6 +24,7 @@ from backends.cache.index import SHM, KeyTable, KeyTables, server_prefix
 from backends.cache.store import EmbeddingCache
 from backends.errors import RequestCancelled, RequestError
 from backends.preprocess.media import split_media
+from backends.serving import bytes_inputs
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from backends.serving.settings import ModelSettings
@@ -49,7 +50,12 @@ def _settings(args: dict) -> tuple[ModelSettings, dict]:
 
 
 def _bytes_list(tensor) -> list[bytes]:
-    return [bytes(x) for x in tensor.as_numpy().reshape(-1)]
+    array = tensor.as_numpy()
+    if bytes_inputs.refusal(array) is not None:  # over a byte limit: the stub copied none of it (bytes_inputs.py)
+        # Raised as made, never held in a local of this frame, which holds the input: the cycle would keep
+        # the input's shared memory until Python's cycle collector runs.
+        raise bytes_inputs.refusal(array)
+    return [bytes(x) for x in array.reshape(-1)]
 
 
 def _to_torch(tensor) -> torch.Tensor:
@@ -183,6 +189,11 @@ class _Adapter:
         memory = self._cuda_memory if self.settings.device.startswith("cuda") else None
         self.metrics = ModelMetrics(pb_utils, self.name, instance=args.get("model_instance_name", ""), memory=memory)
         self.profiler = ExecuteProfiler(self.name)
+        if any(i["name"] == IMAGES for i in self.config["input"]):
+            # IMAGES over the byte limits is refused before the stub copies it (bytes_inputs.py).
+            if not bytes_inputs.install(pb_utils, self.settings.limits):
+                log.warning("%s: this Python backend has no deserialize_bytes_tensor; IMAGES over the byte limits "
+                            "are copied before they are refused", self.name)
         first = self.config["input"][0]  # tells a batched request from a plain one by its rank
         self.probe = (first["name"], len(first["dims"]))
         # Outputs the repository declares twice, the copy for the next step (contract.FORWARD_SUFFIX).
