@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contract import (BATCHED_ENSEMBLE, ENCODER, ENCODER_FOLLOWS, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS,
-                      IMAGE_EMBEDS,
+                      IMAGE_EMBEDS, IMAGE_EMBEDS_NIXL,
                       IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
                       PLACEHOLDER, PLACEHOLDER_BATCHED, PREPROCESS, PREPROCESS_BATCHED)
 
@@ -62,7 +62,7 @@ class Ensemble:
             {"model_name": self.encoder, "model_version": -1,
              "input_map": {PIXEL_VALUES: "pixel_values", grids: "grid_thws", MEDIA_KEYS: "media_keys",
                            MEDIA_CACHED: "media_cached", IMAGES: IMAGES, MEDIA_FRAMES: MEDIA_FRAMES},
-             "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS}},
+             "output_map": {IMAGE_EMBEDS: IMAGE_EMBEDS, IMAGE_EMBEDS_NIXL: IMAGE_EMBEDS_NIXL}},
             {"model_name": self.placeholder, "model_version": -1,
              "input_map": {INPUT_IDS: INPUT_IDS, counts: "image_token_counts"},
              "output_map": {EXPANDED_IDS: EXPANDED_IDS}},

@@ -47,6 +47,10 @@ class VisionResult:
     grid_thws: np.ndarray | None  # (M, 3) int64
     token_counts: np.ndarray | None  # (M,) int64
     cuda_embeds: object = None  # torch tensor on the GPU with shm="cuda" and from infer_into
+    # infer(nixl=True): IMAGE_EMBEDS_NIXL's bytes, for clients/nixl_pull.py (image_embeds is None), and when
+    # the request was sent (the read is refused from then + the descriptor's lifetime on).
+    nixl_descriptor: bytes | None = None
+    sent_unix_s: float | None = None
 
     def embeds_float32(self) -> np.ndarray:
         """image_embeds as float32 (BF16 bit patterns widened exactly)."""
@@ -200,7 +204,8 @@ class KimiVisionClient:
 
     def infer(self, input_ids, images: Sequence[bytes], *, media_frames: Sequence[int] | None = None,
               shm: str = "none", output_capacity: int = 256 << 20, timeout_s: float | None = None,
-              outputs: Sequence[str] = OUTPUTS, images_region: "ImagesRegion | None" = None) -> VisionResult:
+              outputs: Sequence[str] = OUTPUTS, images_region: "ImagesRegion | None" = None,
+              nixl: bool = False) -> VisionResult:
         """One request through the ensemble (ids and counts alone: through kimi_placeholder).
 
         media_frames: None when every image is a still image; else one entry per media in prompt
@@ -216,9 +221,15 @@ class KimiVisionClient:
         images_region: an ImagesRegion (registered once) to carry the images instead of the request body,
         with shm "none" or "cuda" (shm "system" puts the images into a region of its own, from the
         client's pool, and refuses one).
+        nixl: instead of IMAGE_EMBEDS, a descriptor of where the server holds them (`nixl_descriptor`), for
+        a consumer to READ with NIXL (clients/nixl_pull.py), on this host or another; with shm "none".
         """
         ids, blobs, frames = _request_arrays(input_ids, images, media_frames)
         wanted = _check_outputs(outputs)
+        if nixl:
+            if shm != "none" or contract.IMAGE_EMBEDS not in wanted:
+                raise ValueError('nixl=True hands IMAGE_EMBEDS over by NIXL: ask for IMAGE_EMBEDS, with shm="none"')
+            return self._infer_nixl(ids, blobs, frames, timeout_s, wanted, images_region)
         if shm == "none":
             return self._infer_plain(ids, blobs, frames, timeout_s, wanted, images_region)
         if shm == "system":
@@ -298,14 +309,17 @@ class KimiVisionClient:
             b.set_shared_memory(images_region.name, size)
         return a, b
 
-    def _call(self, inputs, frames, outputs, timeout_s):
+    def _call(self, inputs, frames, outputs, timeout_s, parameters=None):
         if frames is not None:
             f = self.tc.InferInput(contract.MEDIA_FRAMES, self._shape(frames), "INT64")
             f.set_data_from_numpy(self._batch(frames))
             inputs = [*inputs, f]
         kwargs = {"client_timeout": timeout_s} if (timeout_s and self.protocol == "grpc") else {}
+        parameters = dict(parameters or {})
         if timeout_s:  # every step sees when we stop waiting, and stops then (contract.DEADLINE_PARAMETER)
-            kwargs["parameters"] = {contract.DEADLINE_PARAMETER: int((time.time() + timeout_s) * 1000)}
+            parameters[contract.DEADLINE_PARAMETER] = int((time.time() + timeout_s) * 1000)
+        if parameters:
+            kwargs["parameters"] = parameters
         if self.headers:
             # A copy: tritonclient.http writes a request's Inference-Header-Content-Length into the dict it
             # is given (and sets none when every input is in shared memory): a stale length would cut
@@ -329,6 +343,20 @@ class KimiVisionClient:
         a, b = self._filled(ids, blobs, images_region)
         r = self._call([a, b], frames, self._requested(wanted), timeout_s)
         return self._result(r, wanted)
+
+    def _infer_nixl(self, ids, blobs, frames, timeout_s, wanted, images_region=None):
+        """IMAGE_EMBEDS_NIXL in place of IMAGE_EMBEDS: the request parameter asks the encoder for it
+        (contract.NIXL_PARAMETER), and the rows stay on the server until a consumer reads them."""
+        a, b = self._filled(ids, blobs, images_region)
+        others = [n for n in wanted if n != contract.IMAGE_EMBEDS]
+        sent = time.time()
+        r = self._call([a, b], frames, self._requested([*others, contract.IMAGE_EMBEDS_NIXL]), timeout_s,
+                       {contract.NIXL_PARAMETER: True})
+        raw = r.as_numpy(contract.IMAGE_EMBEDS_NIXL)
+        if raw is None:  # a server that predates the output, or whose encoder left it out
+            raise RuntimeError(f"the server sent no {contract.IMAGE_EMBEDS_NIXL}: it does not hand out NIXL descriptors")
+        raw = raw[0] if self.batched else raw
+        return self._result(r, others, image_embeds=None, nixl_descriptor=raw.tobytes(), sent_unix_s=sent)
 
     def _system_pair(self, capacity: int):
         """The images region and the output region, made together; the first is released if the second

@@ -45,6 +45,13 @@ ENCODER_FOLLOWS = "INPUT_IDS_ENCODER_FOLLOWS"
 FORWARD_SUFFIX = "_FORWARD"
 
 OUTPUTS = (EXPANDED_IDS, IMAGE_EMBEDS, GRID_THWS, IMAGE_TOKEN_COUNTS)
+# The embeddings by NIXL instead of in the response (contract/nixl_descriptor.py, docs/llm_handoff.md): a
+# request with this parameter set to true gets, in IMAGE_EMBEDS_NIXL (UINT8 [-1]), a small descriptor of
+# where the encoder holds its rows for the consumer to READ, and no IMAGE_EMBEDS. A parameter, not the
+# output alone, because an ensemble asks its step for every output it maps whatever the client asked for
+# (seen on 2.51), so the encoder cannot tell from the outputs which one the client wants.
+IMAGE_EMBEDS_NIXL = "IMAGE_EMBEDS_NIXL"
+NIXL_PARAMETER = "kimi_embeds_nixl"
 # A request parameter (an integer, milliseconds since the Unix epoch): when the client stops waiting. Every
 # step sees it (tritonserver hands a request's parameters to an ensemble's steps), so a step already
 # running stops between images once it has passed, which a gRPC deadline alone does not make it do

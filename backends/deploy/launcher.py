@@ -492,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
         preprocess_instances = env_int("KIMI_PREPROCESS_INSTANCES", 0)
         env_flag("KIMI_GPU_JPEG", True)  # read by the GPU stubs; a bad word stops us here, not their load
         cache_bytes = byte_size(os.environ["KIMI_CACHE_BYTES"], "KIMI_CACHE_BYTES") if os.environ.get("KIMI_CACHE_BYTES") else None
+        nixl_bytes = byte_size(os.environ["KIMI_NIXL_BYTES"], "KIMI_NIXL_BYTES") if os.environ.get("KIMI_NIXL_BYTES") else None
+        nixl_lifetime_s = env_int("KIMI_NIXL_LIFETIME_S", 30)
     except ValueError as exc:  # one line naming the setting, not a traceback (also for --help)
         raise SystemExit(f"error: {exc}") from None
     ap.add_argument("--device", choices=["auto", "cpu", "gpu"], default=os.environ.get("KIMI_DEVICE", "auto"))
@@ -514,9 +516,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="moonvit3d instances per GPU (in all on CPU)")
     ap.add_argument("--preprocess-instances", type=int, default=preprocess_instances,
                     help="kimi_preprocess instances per GPU (in all on CPU); 0: 2 per GPU, 1 on CPU")
-    ap.add_argument("--cache-bytes", type=_size_argument, default=cache_bytes,
+    ap.add_argument("--cache-bytes", type=_size_argument("--cache-bytes"), default=cache_bytes,
                     help="the embedding cache's budget per encoder instance, e.g. 4G or 512M (default 4G on a GPU, "
                          "1G on CPU; 0 turns the cache off): a media sent again is answered from it")
+    ap.add_argument("--nixl-bytes", type=_size_argument("--nixl-bytes"), default=nixl_bytes,
+                    help="the NIXL arena per encoder instance, taken at the first request for a descriptor (default 1G "
+                         "on a GPU, 256M on CPU; 0: no descriptors): rows waiting for a consumer to read them with NIXL "
+                         "(docs/llm_handoff.md#pulling-the-embeddings-with-nixl)")
+    ap.add_argument("--nixl-lifetime-s", type=int, default=nixl_lifetime_s,
+                    help="how long rows wait unread for their NIXL consumer before they are freed (default 30)")
     ap.add_argument("--mps", action=argparse.BooleanOptionalAction,
                     default=mps_default,
                     help="GPU: start a CUDA MPS control daemon of the server's own for its lifetime, so that the "
@@ -542,11 +550,13 @@ def byte_size(text: str, what: str) -> int:
         raise ValueError(f"{what}={text!r}: expected a size such as 4G, 512M or 0") from None
 
 
-def _size_argument(text: str) -> int:
-    try:
-        return byte_size(text, "--cache-bytes")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _size_argument(flag: str):
+    def parse(text: str) -> int:
+        try:
+            return byte_size(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
 def start_mps(asked: bool, device: str, folder: Path) -> mps.Daemon | None:
@@ -590,7 +600,8 @@ def main(argv=None) -> int:
     try:  # the settings and the checkpoint's config, read now: a mistake is one line, not a traceback
         dep = Deployment(device=device, checkpoint=args.checkpoint, gpus=max(1, gpu_count()),
                          encoder_instances=args.encoder_instances, preprocess_instances=args.preprocess_instances,
-                         cache_bytes=args.cache_bytes)
+                         cache_bytes=args.cache_bytes, nixl_bytes=args.nixl_bytes,
+                         nixl_lifetime_ms=args.nixl_lifetime_s * 1000)
         dep.vision
         args.install = TritonInstall.find(args.tritonserver)
         args.allocator = heap.find()

@@ -23,7 +23,7 @@ from backends.checkpoint import load_config
 from backends.config import Limits, VisionConfig
 from backends.serving.settings import ModelSettings
 from contract import (BATCHED_ENSEMBLE, ENCODER, ENCODER_FOLLOWS, ENSEMBLE, EXPANDED_IDS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS,
-                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
+                      IMAGE_EMBEDS_NIXL, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES,
                       PLACEHOLDER, PREPROCESS)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +42,10 @@ HTTP_INPUT_SLACK_BYTES = 64 << 20
 # The embedding cache's default budget per encoder instance: a few hundred 1024^2 images' rows of the
 # real model on a GPU (19.6 MB each in BF16), host memory on CPU.
 CACHE_DEFAULT_BYTES = {"gpu": 4 << 30, "cpu": 1 << 30}
+# The NIXL arena's default per encoder instance, taken only once a client asks for a descriptor: on a GPU,
+# about fifty 1024^2 requests' rows of the real model (19.6 MB each in BF16) unread at once, or two at
+# max_patches (448 MiB each).
+NIXL_DEFAULT_BYTES = {"gpu": 1 << 30, "cpu": 256 << 20}
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,10 @@ class Deployment:
     # The embedding cache's budget per encoder instance (backends/cache), in its memory (GPU memory on a
     # GPU); None: CACHE_DEFAULT_BYTES for the device; 0: off.
     cache_bytes: int | None = None
+    # The NIXL arena per encoder instance (backends/nixl_export); None: NIXL_DEFAULT_BYTES for the device;
+    # 0: no descriptors. A descriptor's rows wait unread at most nixl_lifetime_ms.
+    nixl_bytes: int | None = None
+    nixl_lifetime_ms: int = 30_000
 
     def __post_init__(self):
         if self.device not in ("cpu", "gpu"):
@@ -72,6 +80,11 @@ class Deployment:
             object.__setattr__(self, "cache_bytes", CACHE_DEFAULT_BYTES[self.device])
         if self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be 0 (off) or more, got {self.cache_bytes}")
+        if self.nixl_bytes is None:
+            object.__setattr__(self, "nixl_bytes", NIXL_DEFAULT_BYTES[self.device])
+        if self.nixl_bytes < 0 or self.nixl_lifetime_ms < 1:
+            raise ValueError(f"nixl_bytes must be 0 (off) or more and nixl_lifetime_ms at least 1, got "
+                             f"{self.nixl_bytes}, {self.nixl_lifetime_ms}")
         if self.gpus < 1 or self.encoder_instances < 1 or self.preprocess_instances < 1:
             raise ValueError(f"gpus and instance counts must be at least 1, got gpus={self.gpus}, "
                              f"encoder_instances={self.encoder_instances}, preprocess_instances={self.preprocess_instances}")
@@ -175,7 +188,7 @@ def _python_model(dep: Deployment, name: str, inputs, outputs, *, kind: str, cou
     graphs = dep.cuda_graphs if name == ENCODER and dep.device == "gpu" else 0
     params = {
         **ModelSettings(checkpoint=dep.checkpoint, limits=dep.limits, cuda_graphs=graphs, cache_bytes=dep.cache_bytes,
-                        vision=dep.vision).parameters(),
+                        nixl_bytes=dep.nixl_bytes, nixl_lifetime_ms=dep.nixl_lifetime_ms, vision=dep.vision).parameters(),
         # Triton's own: GPU instances take their inputs where the previous step left them (no host round-trip).
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no" if kind == "KIND_GPU" else "yes",
     }
@@ -223,12 +236,14 @@ def _io(dep: Deployment) -> dict[str, tuple[list, list]]:
              _tensor(MEDIA_KEYS, "TYPE_UINT8", [-1, KEY_BYTES], optional=True),
              _tensor(MEDIA_CACHED, "TYPE_BOOL", [-1], optional=True),
              _tensor(IMAGES, "TYPE_STRING", [-1], optional=True), MEDIA_FRAMES_SPEC],
-            [_tensor(IMAGE_EMBEDS, fp, [-1, hidden])],
+            # IMAGE_EMBEDS, or with the request parameter contract.NIXL_PARAMETER the descriptor alone.
+            [_tensor(IMAGE_EMBEDS, fp, [-1, hidden]), _tensor(IMAGE_EMBEDS_NIXL, "TYPE_UINT8", [-1])],
         ),
         "contract": (
             [_tensor(INPUT_IDS, "TYPE_INT64", [-1]), _tensor(IMAGES, "TYPE_STRING", [-1]), MEDIA_FRAMES_SPEC],
             [_tensor(EXPANDED_IDS, "TYPE_INT64", [-1]), _tensor(IMAGE_EMBEDS, fp, [-1, hidden]),
-             _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1])],
+             _tensor(GRID_THWS, "TYPE_INT64", [-1, 3]), _tensor(IMAGE_TOKEN_COUNTS, "TYPE_INT64", [-1]),
+             _tensor(IMAGE_EMBEDS_NIXL, "TYPE_UINT8", [-1])],
         ),
     }
 

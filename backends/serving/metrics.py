@@ -15,6 +15,12 @@ them).
   to stay in its budget) and the gauge kimi_vision_cache_bytes{model,instance} (the rows it holds), from
   each encoder instance whose cache is on (backends/cache/store.py).
 
+- kimi_vision_nixl_descriptors{model,instance} and kimi_vision_nixl_bytes{model,instance} (gauges: descriptors
+  handed out and not yet read or expired, and their rows' bytes in the encoder instance's NIXL arena),
+  kimi_vision_nixl_reads_total{model} and kimi_vision_nixl_expired_total{model} (slots freed by their
+  reader's notification, and freed unread when their lifetime ended; backends/nixl_export), from each
+  encoder instance once a request has asked it for a descriptor.
+
 - kimi_vision_cuda_memory_bytes{model,instance,kind}: on a GPU instance, torch's caching allocator in
   that stub: `allocated` (tensors alive) and `reserved` (held from the driver), set about once a second;
   in moonvit3d also `cached`, the part of `allocated` our bounded caches keep (CUDA graphs' buffers,
@@ -107,6 +113,10 @@ class ModelMetrics:
             ("kimi_vision_cache_misses_total", kinds.COUNTER, "Media looked up in the embedding cache and encoded"),
             ("kimi_vision_cache_evictions_total", kinds.COUNTER, "Row blocks evicted from the embedding cache"),
             ("kimi_vision_cache_bytes", kinds.GAUGE, "Bytes of embedding rows the cache holds, per encoder instance"),
+            ("kimi_vision_nixl_descriptors", kinds.GAUGE, "NIXL descriptors handed out and not yet read or expired"),
+            ("kimi_vision_nixl_bytes", kinds.GAUGE, "Bytes of rows waiting in the NIXL arena, per encoder instance"),
+            ("kimi_vision_nixl_reads_total", kinds.COUNTER, "NIXL descriptors whose reader notified (slot freed)"),
+            ("kimi_vision_nixl_expired_total", kinds.COUNTER, "NIXL descriptors freed unread at the end of their lifetime"),
             ("kimi_vision_cuda_memory_bytes", kinds.GAUGE if memory is not None else None,
              "CUDA memory of torch's caching allocator in one GPU model instance: allocated, reserved, cached"),
         ):
@@ -165,6 +175,32 @@ class ModelMetrics:
             if metric is not None:
                 metric.set(now["bytes"])
             self._cache_sent["bytes"] = now["bytes"]
+
+    def watch_nixl(self, export) -> None:
+        """Send a NIXL export's counts (backends/nixl_export/arena.py `counts()`) with every flush, from the
+        first one on: the gauges as they are, the counters as they grew."""
+        self._nixl, self._nixl_sent = export, {"outstanding": -1, "bytes": -1, "reads": 0, "expired": 0}
+        if export is not None:
+            self._started()
+
+    def _send_nixl(self) -> None:
+        export = getattr(self, "_nixl", None)
+        if export is None:
+            return
+        now = export.counts()
+        for kind in ("reads", "expired"):
+            metric = self._metric(f"kimi_vision_nixl_{kind}_total", ())
+            grown = now[kind] - self._nixl_sent[kind]
+            if grown > 0:
+                if metric is not None:
+                    metric.increment(grown)
+                self._nixl_sent[kind] = now[kind]
+        for kind, family in (("outstanding", "kimi_vision_nixl_descriptors"), ("bytes", "kimi_vision_nixl_bytes")):
+            if now[kind] != self._nixl_sent[kind]:
+                metric = self._metric(family, (("instance", self.instance),))
+                if metric is not None:
+                    metric.set(now[kind])
+                self._nixl_sent[kind] = now[kind]
 
     def step_time(self, seconds: float) -> None:
         with self._lock:
@@ -237,6 +273,10 @@ class ModelMetrics:
             self._send_cache()
         except Exception:  # noqa: BLE001
             log.exception("%s: could not send the cache's counts", self.model)
+        try:
+            self._send_nixl()
+        except Exception:  # noqa: BLE001
+            log.exception("%s: could not send the NIXL counts", self.model)
         if observed:
             try:
                 metric = self._metric("kimi_vision_step_seconds", ())

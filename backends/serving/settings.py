@@ -18,6 +18,10 @@ class ModelSettings:
     limits: Limits = Limits()
     cuda_graphs: int = 0  # encoder graphs to keep (backends/encoder/graphs.py); 0 = eager
     cache_bytes: int = 0  # the embedding cache's budget per encoder instance (backends/cache); 0 = off
+    # The NIXL arena per encoder instance (backends/nixl_export), made at the first request for a
+    # descriptor; 0 = no descriptors. And how long a descriptor's rows wait unread at most.
+    nixl_bytes: int = 0
+    nixl_lifetime_ms: int = 30_000
     vision: VisionConfig = DEMO_CONFIG  # resolved once by the renderer, carried as JSON
 
     def parameters(self) -> dict[str, str]:
@@ -29,6 +33,8 @@ class ModelSettings:
         if self.cuda_graphs:
             params["cuda_graphs"] = str(self.cuda_graphs)
         params["cache_bytes"] = str(self.cache_bytes)
+        params["nixl_bytes"] = str(self.nixl_bytes)
+        params["nixl_lifetime_ms"] = str(self.nixl_lifetime_ms)
         return params
 
     @classmethod
@@ -41,4 +47,5 @@ class ModelSettings:
         vision = VisionConfig.from_json(params["vision_config"]) if params.get("vision_config") else load_config(checkpoint)
         return cls(checkpoint=checkpoint, device=device, limits=limits,
                    cuda_graphs=int(params.get("cuda_graphs", 0)), cache_bytes=int(params.get("cache_bytes", 0)),
-                   vision=vision)
+                   nixl_bytes=int(params.get("nixl_bytes", 0)),
+                   nixl_lifetime_ms=int(params.get("nixl_lifetime_ms", cls.nixl_lifetime_ms)), vision=vision)

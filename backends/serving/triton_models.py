@@ -23,14 +23,15 @@ from backends.cache import keys as cache_keys
 from backends.cache.index import SHM, KeyTable, KeyTables, server_prefix
 from backends.cache.store import EmbeddingCache
 from backends.errors import RequestCancelled, RequestError
+from backends.nixl_export.arena import NixlExport, nixl_requested
 from backends.preprocess.media import split_media
 from backends.serving import bytes_inputs
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
 from backends.serving.settings import ModelSettings
 from backends.serving.steps import EncoderRequest, EncoderStep, PlaceholderStep, PreprocessStep, throttled
-from contract import (DEADLINE_PARAMETER, ENCODER_FOLLOWS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED,
-                      MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES)
+from contract import (DEADLINE_PARAMETER, ENCODER_FOLLOWS, FORWARD_SUFFIX, GRID_THWS, IMAGE_EMBEDS, IMAGE_EMBEDS_NIXL,
+                      IMAGE_TOKEN_COUNTS, IMAGES, INPUT_IDS, MEDIA_CACHED, MEDIA_FRAMES, MEDIA_KEYS, PIXEL_VALUES)
 
 log = logging.getLogger("kimi_vision")
 
@@ -127,12 +128,21 @@ class _Inputs:
         return {k: (v[None] if isinstance(v, np.ndarray) else v.unsqueeze(0)) for k, v in outputs.items()}
 
 
+def _parameters(request) -> dict:
+    """The request's parameters ({} if it has none or unreadable ones)."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (ValueError, TypeError, AttributeError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
 def _deadline_ms(request) -> float | None:
     """The request's deadline parameter (contract.DEADLINE_PARAMETER), None if it has none or an unreadable one."""
     try:
-        value = json.loads(request.parameters() or "{}").get(DEADLINE_PARAMETER)
+        value = _parameters(request).get(DEADLINE_PARAMETER)
         return float(value) if value is not None else None
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError):
         return None
 
 
@@ -352,6 +362,28 @@ class EncoderModel(_Adapter):
             log.info("%s: %s", self.name, line)
         self._fallback_step = None
         self.metrics.watch_cache(cache)
+        # Descriptors instead of IMAGE_EMBEDS for requests that ask (contract.NIXL_PARAMETER); the agent and
+        # its arena are made at the first such request.
+        self.nixl = None
+        if self.settings.nixl_bytes > 0:
+            self.nixl = NixlExport(self.settings.nixl_bytes, self.settings.nixl_lifetime_ms / 1000,
+                                   self.step.model.device, self.instance_name)
+        self.metrics.watch_nixl(self.nixl)
+
+    def _cuda_memory(self) -> dict[str, float]:
+        out = super()._cuda_memory()
+        nixl = getattr(self, "nixl", None)
+        if nixl is not None and "cached" in out:  # the arena is bounded too: not a leak
+            out["cached"] += float(nixl.arena_bytes)
+        return out
+
+    def _wants_nixl(self, request) -> bool:
+        if not nixl_requested(_parameters(request)):
+            return False
+        if self.nixl is None:
+            raise RequestError("this server hands out no NIXL descriptors: its nixl_bytes is 0 (the launcher's "
+                               "--nixl-bytes, KIMI_NIXL_BYTES)", "nixl_off")
+        return True
 
     def _fallback(self, inputs: _Inputs):
         """media index -> its patches, preprocessed here from the request's IMAGES: for a media that
@@ -381,29 +413,44 @@ class EncoderModel(_Adapter):
         table = getattr(self, "table", None)
         if table is not None:
             table.close()
+        nixl = getattr(self, "nixl", None)
+        if nixl is not None:
+            nixl.close()
         super().finalize()
 
     def _execute(self, requests):
         """All requests of a dynamic batch go through one varlen forward (EncoderStep.run_batch)."""
         t0 = time.perf_counter()
-        parsed: list[tuple[_Inputs, EncoderRequest] | Exception] = []
+        parsed: list[tuple[_Inputs, EncoderRequest, bool] | Exception] = []
         for request in requests:
             try:
                 inputs = self.inputs(request)
+                wants_nixl = self._wants_nixl(request)  # refused before the encoder runs for it
                 # Asked (an IPC round trip) only of a request that has media to encode: one the cache
                 # answers whole costs nothing more to finish than to drop.
-                parsed.append((inputs, self._request(inputs, cancelled=inputs.gave_up(request.is_cancelled))))
+                parsed.append((inputs, self._request(inputs, cancelled=inputs.gave_up(request.is_cancelled)), wants_nixl))
             except Exception as exc:  # noqa: BLE001
                 parsed.append(exc)
-        results = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
+        results = [p if isinstance(p, Exception) else None for p in parsed]
+        done = iter(self.step.run_batch([p[1] for p in parsed if isinstance(p, tuple)]))
+        for i, p in enumerate(parsed):
+            if isinstance(p, tuple):
+                results[i] = next(done)
+        # Rows into the NIXL arena, one descriptor each, for the requests that asked (one stream sync for all).
+        asked = [i for i, p in enumerate(parsed) if isinstance(p, tuple) and p[2] and not isinstance(results[i], Exception)]
+        descriptors = dict(zip(asked, self.nixl.export([results[i] for i in asked]))) if asked else {}
         responses = []
-        for p in parsed:
-            result = next(results) if isinstance(p, tuple) else p
+        for i, p in enumerate(parsed):
+            result = descriptors.get(i, results[i])
             try:
                 if isinstance(result, Exception):
                     raise result
-                outputs = p[0].shape_outputs({IMAGE_EMBEDS: result})
-                responses.append(pb_utils.InferenceResponse(output_tensors=[_output(IMAGE_EMBEDS, outputs[IMAGE_EMBEDS])]))
+                # The descriptor alone for a NIXL request: the ensemble drops the outputs a step leaves out,
+                # and the rows never travel through Triton.
+                name = IMAGE_EMBEDS_NIXL if i in descriptors else IMAGE_EMBEDS
+                value = np.frombuffer(result, dtype=np.uint8).copy() if i in descriptors else result
+                outputs = p[0].shape_outputs({name: value})
+                responses.append(pb_utils.InferenceResponse(output_tensors=[_output(name, outputs[name])]))
             except Exception as exc:  # noqa: BLE001 - this request alone
                 responses.append(self.error_response(exc))
         elapsed = time.perf_counter() - t0

@@ -36,7 +36,9 @@ def test_gpu_deployment_differs_only_in_placement_and_dtypes():
         allowed = {"data_type: TYPE_FP32", "data_type: TYPE_BF16", "kind: KIND_CPU", "kind: KIND_GPU",
                    'string_value: "yes"', 'string_value: "no"', "gpus: 0",
                    # the embedding cache's default budget: device memory on a GPU, host memory on CPU
-                   f'string_value: "{Deployment("cpu").cache_bytes}"', f'string_value: "{Deployment("gpu").cache_bytes}"'}
+                   f'string_value: "{Deployment("cpu").cache_bytes}"', f'string_value: "{Deployment("gpu").cache_bytes}"',
+                   # and the NIXL arena's, taken only once a client asks for a descriptor
+                   f'string_value: "{Deployment("cpu").nixl_bytes}"', f'string_value: "{Deployment("gpu").nixl_bytes}"'}
         if name.startswith("kimi_preprocess"):  # 2 instances per GPU by default, 1 on CPU
             allowed |= {"count: 1", "count: 2"}
         if name == "moonvit3d":  # GPU only: how many encoder CUDA graphs to keep
