@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 from transformers.modeling_outputs import BaseModelOutputWithPooling  # noqa: E402
 
 import contract  # noqa: E402
+import contract.nixl_descriptor  # noqa: E402
 from backends.deploy.launcher import deployment_server  # noqa: E402
 from backends.deploy.repository import Deployment  # noqa: E402
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids  # noqa: E402
@@ -71,18 +72,37 @@ def served(checkpoint):
     blobs = [encode(photo_like(260, 180, seed=7), "JPEG"), encode(text_card(), "PNG")]
     prompt = chat_prompt_ids(2, text_ids=(11, 12, 13, 14))
     prompt = np.concatenate([[5, 6], prompt[:4], [7, 8, 9], prompt[4:]])  # text before, between, after
-    with deployment_server(dep, "llm-handoff") as server:
+    # UCX over TCP for the NIXL pull, as between two hosts without RDMA.
+    with deployment_server(dep, "llm-handoff", env={"UCX_TLS": "tcp"}) as server:
         client = KimiVisionClient(server.grpc_url)
         result = client.infer(prompt, blobs)
+        nixl_result, nixl_embeds = _pulled(client, prompt, blobs)
         client.close()
         raw = grpcclient.InferenceServerClient(server.grpc_url)
         images = grpcclient.InferInput(contract.IMAGES, [len(blobs)], "BYTES")
         images.set_data_from_numpy(np.array(blobs, dtype=np.object_))
         pre = raw.infer(contract.PREPROCESS, [images])
         raw.close()
-    return dict(prompt=prompt, blobs=blobs, result=result, media=dep.vision.media,
+    return dict(prompt=prompt, blobs=blobs, result=result, media=dep.vision.media, nixl_result=nixl_result,
+                nixl_embeds=nixl_embeds,
                 pixel_values=np.array(pre.as_numpy(contract.PIXEL_VALUES)),  # writable copies for torch
                 grid_thws=np.array(pre.as_numpy(contract.GRID_THWS)))
+
+
+def _pulled(client, prompt, blobs):
+    """The same request with a NIXL descriptor, and the rows read with clients/nixl_pull.py by this process
+    (not the server's): (None, None) where NIXL is not installed."""
+    try:
+        contract.nixl_descriptor.load_nixl_api()
+    except ImportError:
+        return None, None
+    from clients.nixl_pull import NixlPuller
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("UCX_TLS", "tcp")
+        result = client.infer(prompt, blobs, nixl=True)
+        with NixlPuller() as puller:
+            return result, puller.pull(result)
 
 
 def plain_expansion(prompt, counts, pad):
@@ -166,6 +186,23 @@ def test_handoff_logits_equal_transformers_multimodal_forward(checkpoint, served
     print(f"\nIMAGE_EMBEDS vs transformers' features: rel err {embeds_err:.2e}; max |logits(hand-off) - "
           f"logits(transformers)| = {diff:.3e} (max |logits| {float(ref.abs().max()):.2f})")
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_handoff_through_a_nixl_pull_gives_the_same_logits(checkpoint, served, reference_logits):
+    """The rows an LLM READs with NIXL (docs/llm_handoff.md#pulling-the-embeddings-with-nixl) are the
+    response's IMAGE_EMBEDS bit for bit, so the hand-off's logits are the same logits."""
+    if served["nixl_embeds"] is None:
+        pytest.skip("NIXL is not installed")
+    _, model = checkpoint
+    r, n = served["result"], served["nixl_result"]
+    pulled = served["nixl_embeds"]
+    assert n.image_embeds is None and np.array_equal(pulled, r.image_embeds)
+    assert n.expanded_ids.tolist() == r.expanded_ids.tolist()
+    with torch.inference_mode():
+        got = handoff_logits(model, n.expanded_ids, torch.from_numpy(pulled))
+        direct = handoff_logits(model, r.expanded_ids, torch.tensor(r.image_embeds))
+    torch.testing.assert_close(got, direct, atol=0, rtol=0)
+    torch.testing.assert_close(got, reference_logits, atol=ATOL, rtol=RTOL)
 
 
 def test_handoff_is_sensitive_to_placement(checkpoint, served, reference_logits):
