@@ -7,8 +7,10 @@
 #   .whl/perf  perf_analyzer (from the tritonclient 2.48 wheel, xz), libcudart 12 and libb64;
 #   .whl/fa4a, .whl/fa4b  (with --fa4) flash-attn-4 and its CUTLASS DSL libraries; the 92 MB library
 #              wheel is split in two (cu13part.aa, cu13part.ab), carried by two calls back to back
-#              (lab/gpu.sh stages fa4a, fa4b).
-# Usage: bash lab/pack_gpu_wheels.sh [--fa4]
+#              (lab/gpu.sh stages fa4a, fa4b);
+#   .whl/nixl  (with --nixl) NIXL for the host's CUDA 13 torch (nixl-cu13, requirements.txt's nixl-cu12
+#              version; 56 MiB), carried by a call of its own (lab/gpu.sh stage nixl).
+# Usage: bash lab/pack_gpu_wheels.sh [--fa4] [--nixl]
 set -euo pipefail
 dest=.whl; tmp=$(mktemp -d)
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64
@@ -30,7 +32,11 @@ unzip -q -j -o "$tmp"/p/tritonclient-2.48.0-*.whl 'tritonclient-2.48.0.data/data
 xz -9 -c "$tmp/perf_analyzer" > "$dest/perf/perf_analyzer.xz"
 cp "$tmp"/p/nvidia_cuda_runtime_cu12-*.whl "$dest/perf/"
 (cd "$dest/perf" && apt-get download libb64-0d)
-if [[ ${1:-} == --fa4 ]]; then
+if [[ " $* " == *" --nixl "* ]]; then
+  mkdir -p "$dest/nixl"
+  get "$dest/nixl" "nixl-cu13==$(pin nixl-cu12 | cut -d= -f3)"
+fi
+if [[ " $* " == *" --fa4 "* ]]; then
   mkdir -p "$dest/fa4a" "$dest/fa4b" "$tmp/fa4"
   get "$tmp/fa4" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels apache-tvm-ffi torch-c-dlpack-ext

@@ -14,6 +14,10 @@
 (c) the same server, IMAGE_EMBEDS written into one CUDA region registered once and reused
     (`KimiVisionClient.infer_into` with a `CudaOutputRegion`), the embeddings left there (what a
     co-located LLM process does);
+(e) the same server, a NIXL descriptor instead of IMAGE_EMBEDS (`infer(..., nixl=True)`), then this
+    process READs the rows with `clients.nixl_pull.NixlPuller` into one GPU buffer registered once (UCX
+    between GPUs of one host: CUDA IPC); the server frees its copy on the READ's notification. The
+    report sets it against (c), the registered CUDA region;
 (d) the reference, in this process: the checkpoint processor's arithmetic on the CPU
     (`oracles.checkpoint_processor`: Pillow decode + BICUBIC resize, numpy
     pad/normalize/patchify), then transformers' Kimi_K25 vision tower + projector (SDPA, bf16) on the
@@ -68,6 +72,12 @@ IMPLEMENTATIONS = {
     "cuda_shm_registered": ("(c) ours, tritonserver, CUDA shm (region registered once)", "client GPU buffer (BF16)",
                             "as (a), but the server writes IMAGE_EMBEDS into one CUDA buffer registered once "
                             "before timing; the embeddings stay there (what a co-located LLM does)"),
+    "nixl_pull": ("(e) ours, tritonserver, NIXL descriptor + READ into a GPU buffer registered once",
+                  "client GPU buffer (BF16)",
+                  "as (a), but the response carries a NIXL descriptor instead of IMAGE_EMBEDS (the encoder copied "
+                  "the rows into its registered arena); this process READs them with clients.nixl_pull into one GPU "
+                  "buffer registered before timing (UCX, CUDA IPC on one host) and the server frees them on the "
+                  "READ's notification (what an LLM on another host does, here on the same one)"),
     "reference": ("(d) reference: checkpoint processor (CPU) + transformers SDPA (GPU), in process",
                   "GPU tensor (BF16)",
                   "in this process, no server: the checkpoint processor's arithmetic on the CPU (Pillow "
@@ -154,6 +164,17 @@ def main(argv=None) -> int:
             registered = None
             notes.append(f"(c) not run: {type(exc).__name__}: {exc}")
             print(notes[-1])
+        puller = nixl_buffer = None
+        try:
+            from clients.nixl_pull import NixlPuller
+
+            puller = NixlPuller()
+            nixl_buffer = torch.empty(max(nbytes for *_, nbytes in requests.values()), dtype=torch.uint8, device="cuda")
+            puller.register(nixl_buffer)
+        except Exception as exc:  # noqa: BLE001 - NIXL not installed: the other rows still run
+            puller = None
+            notes.append(f"(e) not run: {type(exc).__name__}: {exc}")
+            print(notes[-1])
         for case, (ids, blobs, nbytes) in requests.items():
             first = np.array(client.infer(ids, blobs).image_embeds)  # what every path is compared with (a copy)
             # Each path returns its embeddings: a host array (a), a GPU tensor (b, c, d).
@@ -164,6 +185,8 @@ def main(argv=None) -> int:
                      "cuda_shm_per_call": lambda: client.infer(ids, blobs, shm="cuda", output_capacity=nbytes).cuda_embeds}
             if registered:
                 paths["cuda_shm_registered"] = lambda: client.infer_into(registered, ids, blobs).cuda_embeds
+            if puller:
+                paths["nixl_pull"] = lambda: puller.pull(client.infer(ids, blobs, nixl=True), nixl_buffer)
             if reference:
                 paths["reference"] = lambda: reference(blobs)
             results[case] = {"embeds_shape": list(first.shape), "embeds_bytes": nbytes}
@@ -189,6 +212,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         if registered:
             registered.close()
+        if puller:
+            puller.close()
         for c in (client, bits, http):
             c.close()
 
@@ -206,6 +231,11 @@ def main(argv=None) -> int:
         lines.append(f"| {case} | {label} | {timing} | {speedup} | {check} | {ends_in} |")
         if median is not None:
             results[case][key]["speedup_vs_reference"] = (ref / median) if ref else None
+    for case in requests:  # the NIXL pull against the registered CUDA region (target: within 1.2x)
+        nixl, region = (results[case].get(k, {}).get("median_ms") for k in ("nixl_pull", "cuda_shm_registered"))
+        if nixl and region:
+            results[case]["nixl_vs_registered_region"] = nixl / region
+            lines.append(f"\n{case}: (e) NIXL pull / (c) registered CUDA region = {nixl / region:.2f}x (median)")
     lines.append("\nWhat each end to end contains (all start from the encoded JPEG bytes in the client):")
     lines += [f"- {label}: {contains}" for label, _, contains in IMPLEMENTATIONS.values()]
     lines += [f"\n{note}" for note in notes]
