@@ -6,6 +6,7 @@ what came back.
     python -m clients.infer --image a.jpg --shm system                       # inputs/outputs via shm
     python -m clients.infer --image a.jpg --shm system --admin-key kimi-admin=<value>   # a keyed server
     python -m clients.infer --image f0.jpg --image f1.jpg --image cat.png --media-frames 2,0   # chunk + image
+    python -m clients.infer --url vision-host:8001 --image a.jpg --nixl        # the embeddings pulled with NIXL
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--url", help="server address (default 127.0.0.1:8001 for gRPC, :8000 for HTTP)")
     ap.add_argument("--shm", choices=["none", "system", "cuda"], default="none")
+    ap.add_argument("--nixl", action="store_true",
+                    help="the response carries a NIXL descriptor instead of the embeddings, which this process then "
+                         "READs from the server (clients/nixl_pull.py; the server's UCX port must be reachable)")
     ap.add_argument("--admin-key", default=os.environ.get("KIMI_ADMIN_KEY", ""),
                     help="<header>=<value>: the launcher's --admin-key, which a server started with one asks of "
                          "shared-memory requests (default: KIMI_ADMIN_KEY)")
@@ -63,7 +67,12 @@ def main(argv=None) -> int:
             capacity["output_capacity"] = args.output_capacity_mib << 20
         elif args.shm != "none":  # sized to this request: one more request, to kimi_placeholder
             capacity["output_capacity"] = max(1, client.embeds_bytes(ids, images, media_frames=frames))
-        result = client.infer(ids, images, media_frames=frames, shm=args.shm, **capacity)
+        result = client.infer(ids, images, media_frames=frames, shm=args.shm, nixl=args.nixl, **capacity)
+        if args.nixl:
+            from clients.nixl_pull import NixlPuller
+
+            with NixlPuller() as puller:
+                result.image_embeds = puller.pull(result)
     except Exception as exc:  # noqa: BLE001 - print the server's message, not a traceback
         print(f"request failed: {exc}", file=sys.stderr)
         return 1

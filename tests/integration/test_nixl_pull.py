@@ -155,3 +155,17 @@ def _env() -> dict:
     import os
 
     return dict(os.environ)
+
+
+def test_the_cli_pulls_with_nixl_and_prints_the_same_answer(nixl_server, tmp_path):
+    image = tmp_path / "a.png"
+    image.write_bytes(encode(photo_like(150, 110, seed=9), "PNG"))
+    root = Path(__file__).resolve().parents[2]
+
+    def cli(*extra):
+        done = subprocess.run([sys.executable, "-m", "clients.infer", "--url", nixl_server.grpc_url, "--image", str(image),
+                               *extra], cwd=root, env={**_env(), **UCX}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if not line.startswith("20")]  # NIXL's own log lines
+
+    assert cli("--nixl") == cli()
