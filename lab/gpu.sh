@@ -9,8 +9,6 @@
 #
 # Stages:
 #   fa4a, fa4b  flash-attn-4 (lab/pack_gpu_wheels.sh --fa4 packs it in two halves under 64 MiB each)
-#   nixl        NIXL for the CUDA 13 torch (lab/pack_gpu_wheels.sh --nixl packs it; a call of its own, then
-#               the NIXL pull's GPU test and e2e row run: GPU_TESTS=tests/gpu/test_nixl_gpu.py ... tests e2e)
 #   tests       tests/gpu and the Pillow-exactness tests on the GPU (GPU_TESTS names others)
 #   encoder     the encoder against transformers, MFU and RoPE (lab/bench/encoder_bench.py)
 #   preprocess  GPU preprocessing against the checkpoint processor (lab/bench/preprocess_bench.py)
@@ -25,7 +23,8 @@
 #   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
 #   multiturn   chats that resend their images, the embedding cache on and off (lab/bench/multiturn.py)
 #   batchdep    whether a media's rows depend on what it was batched with (lab/bench/batch_dependence.py)
-# Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh.
+# Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh; .whl/nixl (--nixl) beside
+# .whl/gpu for the NIXL pull's GPU test and e2e row (GPU_TESTS=tests/gpu/test_nixl_gpu.py bash lab/gpu.sh tests e2e).
 set -uo pipefail
 out=/tmp/results; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -41,6 +40,9 @@ if [[ ! -d /tmp/np1/numpy && -d .whl/gpu ]]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD KIMI_STUB_SITE=/tmp/np1
 if [[ -d /tmp/fa4/flash_attn ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages; fi
+if [[ ! -d /tmp/nixl/nixl_cu13 && -d .whl/nixl ]]; then
+  mkdir -p /tmp/nixl && tar -xJf .whl/nixl/nixl-cu13-slim.tar.xz -C /tmp/nixl || exit 1
+fi
 if [[ -d /tmp/nixl/nixl_cu13 ]]; then export PYTHONPATH=$PYTHONPATH:/tmp/nixl; fi
 perf_setup() {
   export LD_LIBRARY_PATH=/tmp/perf/b64/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -75,9 +77,6 @@ for stage in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4 .whl/fa4b/*.whl /tmp/fa4parts/*.whl \
         && echo "fa4 installed"
       export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages ;;
-    nixl)
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .whl/nixl/nixl_cu13-*.whl \
-        && echo "nixl installed" && export PYTHONPATH=$PYTHONPATH:/tmp/nixl ;;
     tests)
       suite=${GPU_TESTS:-tests/gpu tests/unit/test_bicubic_vs_pillow.py}
       python3 -m pytest -q -p no:cacheprovider $suite > "$out/gpu_tests.log" 2>&1

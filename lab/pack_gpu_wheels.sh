@@ -9,7 +9,8 @@
 #              wheel is split in two (cu13part.aa, cu13part.ab), carried by two calls back to back
 #              (lab/gpu.sh stages fa4a, fa4b);
 #   .whl/nixl  (with --nixl) NIXL for the host's CUDA 13 torch (nixl-cu13, requirements.txt's nixl-cu12
-#              version; 56 MiB), carried by a call of its own (lab/gpu.sh stage nixl).
+#              version) slimmed to its UCX and POSIX plugins, without nixl_ep (56 MiB as a wheel, 11 MB so):
+#              carried beside .whl/gpu in one call (lab/gpu.sh unpacks it).
 # Usage: bash lab/pack_gpu_wheels.sh [--fa4] [--nixl]
 set -euo pipefail
 dest=.whl; tmp=$(mktemp -d)
@@ -33,8 +34,12 @@ xz -9 -c "$tmp/perf_analyzer" > "$dest/perf/perf_analyzer.xz"
 cp "$tmp"/p/nvidia_cuda_runtime_cu12-*.whl "$dest/perf/"
 (cd "$dest/perf" && apt-get download libb64-0d)
 if [[ " $* " == *" --nixl "* ]]; then
-  mkdir -p "$dest/nixl"
-  get "$dest/nixl" "nixl-cu13==$(pin nixl-cu12 | cut -d= -f3)"
+  mkdir -p "$dest/nixl" "$tmp/nixl" "$tmp/nx"
+  get "$tmp/nixl" "nixl-cu13==$(pin nixl-cu12 | cut -d= -f3)"
+  (cd "$tmp/nx" && unzip -q "$tmp"/nixl/nixl_cu13-*.whl && rm -rf nixl_ep_cu13 nixl_cu13-*.data nixl_cu13.scripts \
+    && find . -name 'libplugin_*.so' ! -name '*UCX*' ! -name '*POSIX*' -delete \
+    && rm -f nixl_cu13.libs/lib{aws,azure,s2n,gusli,xml2,curl}* \
+    && tar -cf - . | xz -6 -T2 > "$OLDPWD/$dest/nixl/nixl-cu13-slim.tar.xz")
 fi
 if [[ " $* " == *" --fa4 "* ]]; then
   mkdir -p "$dest/fa4a" "$dest/fa4b" "$tmp/fa4"
