@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -41,7 +42,7 @@ from backends.deploy.ports import free_ports
 from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
-from backends.deploy.supervisor import Supervisor, processes
+from backends.deploy.supervisor import Supervisor, child_pids, processes
 
 BUILD = REPO_ROOT / "build"
 STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (stub_env.prepare_stub_env)
@@ -172,7 +173,8 @@ EXIT_TIMEOUT_S = 25
 def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports, *, cuda_pools: dict[int, int],
                          address: str = "0.0.0.0", metrics: tuple[str, int] | None = None,
                          shm_prefix: str = "", admin_key: str = "", trace_file: Path | None = None,
-                         http_max_input_bytes: int | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+                         http_max_input_bytes: int | None = None, reload_key: str = "",
+                         extra_args: tuple[str, ...] = ()) -> list[str]:
     """The tritonserver command line: the one place it is written.
 
     address: where HTTP and gRPC listen (0.0.0.0 to serve other hosts). metrics: (address, port) of
@@ -183,7 +185,9 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
     server starts with tracing off, and 2.51 accepts a file only on its command line.
     http_max_input_bytes: the HTTP front end's limit on a request's inputs, passed where the server has
     the flag (2.59 on; its default there, 64 MiB, would refuse requests our limits allow). No tritonserver
-    release has a gRPC size flag (docs/triton_runtime.md#request-size)."""
+    release has a gRPC size flag (docs/triton_runtime.md#request-size).
+    reload_key "<header>=<value>": without an admin_key, the model-repository API answers only requests
+    carrying it (the supervisor's, to reload a model whose stub died); with one, the admin key guards it."""
     metrics_address, metrics_port = metrics or (address, ports.metrics)
     cmd = [
         str(install.binary),
@@ -192,9 +196,10 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         f"--http-address={address}", f"--grpc-address={address}", f"--metrics-address={metrics_address}",
         f"--http-port={ports.http}", f"--grpc-port={ports.grpc}", f"--metrics-port={metrics_port}",
         "--strict-readiness=true", "--exit-on-error=true", "--disable-auto-complete-config",
-        # Production: no dynamic loading (it would allow arbitrary code from the repository path). A stub
-        # that dies is healed by restarting the server (supervisor.py), never by reloading a model.
-        "--model-control-mode=none",
+        # Every model loaded at start; the model-repository API is kept for the supervisor alone (below:
+        # behind a key), which reloads the one model whose stub died while the others serve on
+        # (supervisor.py). Open, that API would let anyone who reaches the port load code.
+        "--model-control-mode=explicit", "--load-model=*",
         f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
         # No pooled gRPC request objects: a pooled one keeps the capacity of the largest request it held
         # (its protobuf strings), so 8 (the default) kept up to 8 times the largest request's bytes for
@@ -207,6 +212,12 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if admin_key:
         cmd += [f"--http-restricted-api={ADMIN_APIS}:{admin_key}", f"--grpc-restricted-protocol={ADMIN_APIS}:{admin_key}"]
+    elif reload_key:
+        cmd += [f"--http-restricted-api=model-repository:{reload_key}",
+                f"--grpc-restricted-protocol=model-repository:{reload_key}"]
+    else:  # nobody may load: no key, no reload (a dead stub then restarts the server)
+        cmd += [f"--http-restricted-api=model-repository:kimi-reload={secrets.token_hex(16)}",
+                f"--grpc-restricted-protocol=model-repository:kimi-reload={secrets.token_hex(16)}"]
     if trace_file is not None:
         cmd.append(f"--trace-config=triton,file={Path(trace_file).resolve()}")
     if cuda_pools:  # every GPU that holds instances holds tensors between steps (Deployment.cuda_pools)
@@ -288,6 +299,8 @@ class TritonServer:
         self.address = address
         self.metrics_port = metrics_port or ports.metrics
         self.admin_key = admin_key
+        # What the model-repository API asks for: the admin key, else one of our own (never printed).
+        self.reload_key = admin_key or f"kimi-reload={secrets.token_hex(16)}"
         self.trace_file = Path(trace_file).resolve() if trace_file else None
         self.shm_prefix = ""
         self.proc: subprocess.Popen | None = None
@@ -315,7 +328,8 @@ class TritonServer:
         return tritonserver_command(self.install, self.repository, self.ports, cuda_pools=self.cuda_pools,
                                     address=self.address, metrics=(metrics_address, self.metrics_port),
                                     shm_prefix=self.shm_prefix, admin_key=self.admin_key, trace_file=self.trace_file,
-                                    http_max_input_bytes=self.http_max_input_bytes, extra_args=self.extra_args)
+                                    http_max_input_bytes=self.http_max_input_bytes, reload_key=self.reload_key,
+                                    extra_args=self.extra_args)
 
     def launch(self, stream_log: bool = False) -> subprocess.Popen:
         """Start the process (its own process group) and return it, without waiting for readiness."""
@@ -434,6 +448,28 @@ class TritonServer:
                 removed.append(region.name)
             except OSError:
                 pass
+        return removed
+
+    def remove_orphan_regions(self) -> int:
+        """Remove this launch's Python-backend regions that no process of the server maps any more (what a
+        stub that died leaves once its model was reloaded); returns how many."""
+        if not self.shm_prefix or self.proc is None:
+            return 0
+        mapped: set[str] = set()
+        for pid in [self.proc.pid, *child_pids(self.proc.pid)]:
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            mapped.update(line.rsplit("/", 1)[1] for line in maps.splitlines() if f"/dev/shm/{self.shm_prefix}" in line)
+        removed = 0
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            if region.name not in mapped:
+                try:
+                    region.unlink()
+                    removed += 1
+                except OSError:
+                    pass
         return removed
 
     def _signal_group(self, sig) -> None:

@@ -1,11 +1,12 @@
-"""How long a dead stub takes the service down: the supervisor's full restart, timed.
+"""How long a dead stub takes its model down: the supervisor's reload of that model, timed.
 
     python -m lab.bench.restart --device gpu --checkpoint /tmp/kimi-random [--kills 2] [--section restart]
 
 Starts the deployment (cold start timed), sends one 1024^2 JPEG request, then for each kill: SIGKILL to
-moonvit3d's stub, and times (a) until the supervisor notices (readiness false), (b) until the server is
-ready again, (c) until a request is answered again (its first forward after the restart included).
-tritonserver 2.51 cannot restart one stub, so every model is down for (b).
+moonvit3d's stub, and times (a) until the supervisor has reloaded moonvit3d alone (the other models serve
+on meanwhile; new instances, start-up captures included), (b) until a request is answered again (its
+first forward after the reload included). Where the reload fails the supervisor restarts the whole
+server; the row then says so.
 """
 
 from __future__ import annotations
@@ -59,25 +60,26 @@ def main(argv=None) -> int:
         for k in range(args.kills):
             stubs = {n: p for n, p in stub_processes(server.proc.pid).items() if model_of(n) == ENCODER}
             name, pid = next(iter(stubs.items()))
+            reloads, restarts = server.relay.reloads.get(ENCODER, 0), sum(server.relay.restarts.values())
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            while server.serving.is_set() or server.ready():
-                if time.monotonic() - killed > 60:
-                    raise SystemExit(f"the supervisor did not notice {name}'s death within 60 s")
+            while server.relay.reloads.get(ENCODER, 0) == reloads and sum(server.relay.restarts.values()) == restarts:
+                if time.monotonic() - killed > 600:
+                    raise SystemExit(f"the supervisor did not heal {name}'s death within 600 s")
                 time.sleep(0.02)
-            noticed = time.monotonic() - killed
+            how = "reloaded" if server.relay.reloads.get(ENCODER, 0) > reloads else "whole server restarted"
             if not server.serving.wait(600):
                 raise SystemExit(f"the server did not come back within 600 s of {name}'s death")
-            ready = time.monotonic() - killed
-            answered = ready + _answered(server.grpc_url, blob, time.monotonic() + 600)
-            rows.append((k + 1, noticed, ready, answered))
+            healed = time.monotonic() - killed
+            answered = healed + _answered(server.grpc_url, blob, time.monotonic() + 600)
+            rows.append((k + 1, how, healed, answered))
     lines = [f"$ python -m lab.bench.restart {' '.join(sys.argv[1:] if argv is None else argv)}",
              f"{platform.node()}, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
              f"{time.strftime('%Y-%m-%d %H:%M')}",
              f"cold start to ready: {cold:.1f} s; first 1x1024^2 request: {first:.2f} s", "",
-             "| kill of moonvit3d's stub | noticed (not ready) s | ready again s | answered again s |",
+             "| kill of moonvit3d's stub | healed by | healed s | answered again s |",
              "|---|---|---|---|"]
-    lines += [f"| {k} | {a:.2f} | {b:.1f} | {c:.1f} |" for k, a, b, c in rows]
+    lines += [f"| {k} | {how} | {b:.1f} | {c:.1f} |" for k, how, b, c in rows]
     report("\n".join(lines), device, args.section)
     return 0
 

@@ -69,7 +69,31 @@ def test_the_key_restricts_the_admin_apis_over_both_protocols():
                                cuda_pools={}, admin_key=KEY)
     assert f"--http-restricted-api=model-repository,shared-memory,logging,trace:{KEY}" in cmd
     assert f"--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:{KEY}" in cmd
-    assert "--model-control-mode=none" in cmd
+    assert "--model-control-mode=explicit" in cmd  # reloads by the supervisor, behind the key
+
+
+def test_without_a_key_the_model_repository_api_is_the_supervisors_alone():
+    """Explicit model control lets the supervisor reload a model whose stub died; the API is never open:
+    it asks for a key of the launcher's own (or nobody's, where no key was given)."""
+    inst = TritonInstall("/bin/tritonserver", "/backends")
+    for kwargs in ({"reload_key": "kimi-reload=abc"}, {}):
+        cmd = tritonserver_command(inst, "/repo", Ports(), cuda_pools={}, **kwargs)
+        http = [c for c in cmd if c.startswith("--http-restricted-api=model-repository:kimi-reload=")]
+        grpc = [c for c in cmd if c.startswith("--grpc-restricted-protocol=model-repository:kimi-reload=")]
+        assert len(http) == 1 and len(grpc) == 1, cmd
+        if kwargs:
+            assert http[0].endswith(":kimi-reload=abc") and grpc[0].endswith(":kimi-reload=abc")
+
+
+def test_a_load_without_the_key_is_refused(server):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://{server.http_url}/v2/repository/models/moonvit3d/load", data=b"{}",
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert "restricted" in refused.value.read().decode()
 
 
 def test_rendered_repository_is_writable_by_its_owner_only(tmp_path):
