@@ -60,7 +60,7 @@ NIXL_PARAMETER = "kimi_embeds_nixl"
 DEADLINE_PARAMETER = "kimi_deadline_unix_ms"
 
 # Bytes per element of the model configs' data types (what a shared-memory region is sized with).
-DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2}
+DTYPE_BYTES = {"TYPE_INT64": 8, "TYPE_FP32": 4, "TYPE_BF16": 2, "TYPE_FP16": 2, "TYPE_UINT8": 1}
 
 
 def chat_prompt_ids(num_media: int, text_ids=(1, 2, 3)) -> list[int]:

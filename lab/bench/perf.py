@@ -45,7 +45,7 @@ from backends.preprocess.decode import open_image
 from backends.preprocess.media import plan_media
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, sample_images
-from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, PLACEHOLDER
+from contract import BATCHED_ENSEMBLE, DTYPE_BYTES, ENCODER, ENSEMBLE, IMAGE_EMBEDS_NIXL, PLACEHOLDER
 from lab.bench.gpu_clocks import ClockSampler
 from lab.bench.results_page import write_section
 
@@ -108,7 +108,9 @@ def output_byte_sizes(dep: Deployment, input_ids, images: list[bytes], served: R
     counts = [m.plan.num_tokens for m in plan_media(sizes, vision.media, dep.limits)]
     expanded = expand_placeholders(input_ids, vision.tokens.media_pad, counts)
     rows = {"EXPANDED_IDS": len(expanded), "IMAGE_EMBEDS": sum(counts),
-            "GRID_THWS": len(counts), "IMAGE_TOKEN_COUNTS": len(counts)}
+            "GRID_THWS": len(counts), "IMAGE_TOKEN_COUNTS": len(counts),
+            # Only for a request with the kimi_embeds_nixl parameter, which perf_analyzer never sends.
+            IMAGE_EMBEDS_NIXL: 0}
     sizes = {}
     for out in (served.ensemble_config if served else model_configs(dep)[ENSEMBLE]).output:
         if out.name not in rows:
