@@ -60,6 +60,9 @@ class _Captured:
 # them costs next to nothing. MAX_MEDIA media per bucketed forward; more go the per-grid-list way.
 PAD_SEQS = 16
 MAX_MEDIA = 32
+# Start-up time the captures may take (an upper bound, not an estimate; the start-up log says what they
+# took). Sizes beyond it run in the next larger captured bucket.
+CAPTURE_BUDGET_S = 60.0
 
 
 def bucket_sizes(max_patches: int, smallest: int = 256, ratio: float = 1.0625, granule: int = 64) -> list[int]:
@@ -85,6 +88,21 @@ def padded_cu_seqlens(seq_lens: list[int], bucket: int, num_seqs: int) -> np.nda
     return cu
 
 
+def capture_order(sizes: list[int]) -> list[int]:
+    """The order buckets are captured in: the largest first (its activations size the shared pool once),
+    then coarse to fine (every 8th, every 4th, every 2nd, the rest), each pass largest first. A start-up
+    budget that runs out leaves every batch a captured bucket above it, padded at most a few buckets
+    further, instead of leaving the small sizes none."""
+    desc = sorted(sizes, reverse=True)
+    order, seen = [], set()
+    for stride in (len(desc), 8, 4, 2, 1):
+        for size in desc[::stride]:
+            if size not in seen:
+                seen.add(size)
+                order.append(size)
+    return order
+
+
 @dataclass
 class _Bucket:
     graph: torch.cuda.CUDAGraph
@@ -102,6 +120,7 @@ class BucketedGraphs:
         self.num_seqs = MAX_MEDIA + PAD_SEQS
         self.buckets: dict[int, _Bucket] = {}
         self.failed: dict[int, str] = {}  # bucket size -> why its capture failed (batches go to the next one)
+        self.skipped: list[int] = []  # buckets the start-up budget left uncaptured
         self.replays = 0
         self.capture_s = 0.0
         cfg, dev, dtype, top = model.cfg, model.device, model.dtype, max(self.sizes)
@@ -126,16 +145,22 @@ class BucketedGraphs:
         return [self.pixels, self.pos, self.rope, self.out, self.cu_seqlens] if self.buckets else []
 
     @torch.inference_mode()
-    def capture_all(self, pool, side: torch.cuda.Stream, capture_stream: torch.cuda.Stream) -> int:
-        """Captures every bucket not captured yet, largest first (its activations size the shared pool
-        once); returns how many."""
+    def capture_all(self, pool, side: torch.cuda.Stream, capture_stream: torch.cuda.Stream,
+                    budget_s: float = float("inf")) -> int:
+        """Captures the buckets not captured yet in capture_order, until `budget_s` seconds have gone (the
+        sizes left run in the next larger captured bucket); returns how many."""
         from backends.encoder.moonvit3d import Rope
 
         t0, done = time.monotonic(), 0
         model, dev = self.model, self.model.device
-        for size in sorted(self.sizes, reverse=True):
+        for size in capture_order(self.sizes):
             if size in self.buckets or size in self.failed:
                 continue
+            if time.monotonic() - t0 > budget_s:
+                self.skipped = [s for s in self.sizes if s not in self.buckets and s not in self.failed]
+                log.warning("CUDA graph capture stopped at its start-up budget of %.0f s: %d buckets left uncaptured "
+                            "(their batches run in the next larger bucket)", budget_s, len(self.skipped))
+                break
             self.cu_seqlens.copy_(torch.from_numpy(padded_cu_seqlens([], size, self.num_seqs)))
             meta = ForwardMetadata(grids=[], seq_lens=[], max_seqlen=size, cu_seqlens=self.cu_seqlens,
                                    rope=self.rope[:size])
@@ -251,19 +276,20 @@ class GraphedEncoder:
         # The static output is overwritten by the next replay: hand out a copy.
         return captured.out.clone()
 
-    def capture_buckets(self) -> str:
+    def capture_buckets(self, budget_s: float = CAPTURE_BUDGET_S) -> str:
         """Captures a graph per patch-count bucket (at start-up: no size costs a capture or an eager
-        forward on a request's path). Returns a line for the log."""
+        forward on a request's path), within `budget_s` seconds. Returns a line for the log."""
         if self.buckets is None:
             return "CUDA graphs per grid list seen twice (no single-launch varlen attention for buckets)"
         self._streams()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        n = self.buckets.capture_all(self.pool, self._side, self._capture_stream)
+        n = self.buckets.capture_all(self.pool, self._side, self._capture_stream, budget_s)
         self.captures += n
         self.changes += n
         sizes = self.buckets.sizes
         failed = f", {len(self.buckets.failed)} failed" if self.buckets.failed else ""
+        failed += f", {len(self.buckets.skipped)} left to the budget" if self.buckets.skipped else ""
         return (f"{len(self.buckets.buckets)} CUDA graphs captured{failed} ({self.buckets.backend} attention, patch "
                 f"buckets {sizes[0]}..{sizes[-1]}) in {self.buckets.capture_s:.1f} s")
 
