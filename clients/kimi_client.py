@@ -61,7 +61,8 @@ class VisionResult:
 
     def embeds_torch(self):
         """image_embeds as a torch tensor without a copy: torch.bfloat16 for BF16 bit patterns (uint16),
-        else the array's own dtype."""
+        else the array's own dtype. From the gRPC/HTTP response it is a read-only view of the response's
+        bytes (torch warns once): .clone() it before writing into it."""
         import torch
 
         t = torch.from_numpy(np.ascontiguousarray(self.image_embeds))

@@ -165,7 +165,7 @@ class Ports:
 
 # The API groups an admin key protects (--admin-key): registering shared memory maps client memory
 # into the server, and the repository, logging and trace APIs change what the server does.
-ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_APIS = "shared-memory,logging,trace"
 # tritonserver's own limit for in-flight requests at shutdown; the launcher's stop() allows a little more.
 EXIT_TIMEOUT_S = 25
 
@@ -186,8 +186,8 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
     http_max_input_bytes: the HTTP front end's limit on a request's inputs, passed where the server has
     the flag (2.59 on; its default there, 64 MiB, would refuse requests our limits allow). No tritonserver
     release has a gRPC size flag (docs/triton_runtime.md#request-size).
-    reload_key "<header>=<value>": without an admin_key, the model-repository API answers only requests
-    carrying it (the supervisor's, to reload a model whose stub died); with one, the admin key guards it."""
+    reload_key "<header>=<value>": the model-repository API answers only requests carrying it (the
+    supervisor's, to reload a model whose stub died); none given, a random one nobody holds."""
     metrics_address, metrics_port = metrics or (address, ports.metrics)
     cmd = [
         str(install.binary),
@@ -212,12 +212,10 @@ def tritonserver_command(install: TritonInstall, repository: Path, ports: Ports,
         cmd.append(f"--backend-config=python,shm-region-prefix-name={shm_prefix}")
     if admin_key:
         cmd += [f"--http-restricted-api={ADMIN_APIS}:{admin_key}", f"--grpc-restricted-protocol={ADMIN_APIS}:{admin_key}"]
-    elif reload_key:
-        cmd += [f"--http-restricted-api=model-repository:{reload_key}",
-                f"--grpc-restricted-protocol=model-repository:{reload_key}"]
-    else:  # nobody may load: no key, no reload (a dead stub then restarts the server)
-        cmd += [f"--http-restricted-api=model-repository:kimi-reload={secrets.token_hex(16)}",
-                f"--grpc-restricted-protocol=model-repository:kimi-reload={secrets.token_hex(16)}"]
+    # Loading a model runs its code (the load API can even upload files): only the launcher's own key,
+    # never the admin key clients hold for shared memory; no key given, nobody's.
+    key = reload_key or f"kimi-reload={secrets.token_hex(16)}"
+    cmd += [f"--http-restricted-api=model-repository:{key}", f"--grpc-restricted-protocol=model-repository:{key}"]
     if trace_file is not None:
         cmd.append(f"--trace-config=triton,file={Path(trace_file).resolve()}")
     if cuda_pools:  # every GPU that holds instances holds tensors between steps (Deployment.cuda_pools)
@@ -299,8 +297,8 @@ class TritonServer:
         self.address = address
         self.metrics_port = metrics_port or ports.metrics
         self.admin_key = admin_key
-        # What the model-repository API asks for: the admin key, else one of our own (never printed).
-        self.reload_key = admin_key or f"kimi-reload={secrets.token_hex(16)}"
+        # What the model-repository API asks for: a key of our own, never printed, never the admin key.
+        self.reload_key = f"kimi-reload={secrets.token_hex(16)}"
         self.trace_file = Path(trace_file).resolve() if trace_file else None
         self.shm_prefix = ""
         self.proc: subprocess.Popen | None = None

@@ -54,12 +54,13 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def stub_processes(server_pid: int) -> dict[str, int]:
+def stub_processes(server_pid: int, exclude: set[int] = frozenset()) -> dict[str, int]:
     """Live Python stubs started by `server_pid`: instance name -> pid. A zombie (dead, never reaped by
-    tritonserver) is not live; `dead_stub_pids` finds those."""
+    tritonserver) is not live; `dead_stub_pids` finds those. `exclude`: pids to leave out (the old
+    instances of a reloaded model, which may still be exiting under the same names)."""
     stubs = {}
     for pid, state, comm in _children(server_pid):
-        if state == "Z":
+        if state == "Z" or pid in exclude:
             continue
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -266,6 +267,7 @@ class Supervisor:
     Same surface as TritonServer for its users (start/stop, context manager, urls, log_path, kept_log)."""
 
     GIVE_UP_AFTER = 3
+    RELOADS_PER_MINUTE = 3  # reloads of one model within a minute before the whole server restarts instead
 
     def __init__(self, server, *, metrics_address: str, metrics_port: int, poll_s: float = 0.5,
                  start_timeout: float = 600.0):
@@ -285,6 +287,7 @@ class Supervisor:
         self.buried: set[int] = set()
         # A dead stub's model is reloaded alone (False: the whole server restarts, as for a server that exited).
         self.reload_models = True
+        self._reloaded_at: dict[str, list[float]] = {}
         self.stream_log = False
         self._last_ready = 0.0
         self._quick_restarts = 0
@@ -350,7 +353,7 @@ class Supervisor:
     def _learn_stubs(self) -> None:
         """Remember each stub's instance name by pid while it is alive (a dead one has no cmdline left)."""
         if self.server.proc is not None:
-            for name, pid in stub_processes(self.server.proc.pid).items():
+            for name, pid in stub_processes(self.server.proc.pid, self.buried).items():
                 self.expected.setdefault(name, pid)
 
     def dead_stubs(self) -> list[str]:
@@ -358,7 +361,7 @@ class Supervisor:
         also catches a stub that died before it was seen)."""
         if self.server.proc is None or self.server.proc.poll() is not None:
             return []
-        now = stub_processes(self.server.proc.pid)
+        now = stub_processes(self.server.proc.pid, self.buried)
         dead = [name for name, pid in self.expected.items() if now.get(name) != pid]
         known = set(self.expected.values()) | self.buried
         dead += [f"pid {pid}" for pid in dead_stub_pids(self.server.proc.pid) if pid not in known]
@@ -416,35 +419,43 @@ class Supervisor:
         return True
 
     def _reload(self, dead: list[str]) -> bool:
-        """Reload the models of the dead stubs alone (tritonserver makes new instances and lets the old ones
-        go); True when every one came back, False to restart the whole server instead (a stub seen only as
-        a zombie pid names no model; a reload the server refuses or that does not bring live stubs)."""
-        if self.reload_models is False or any(name.startswith("pid ") for name in dead):
+        """Reload the models of the dead stubs alone (tritonserver replaces every instance of a model it
+        loads); True when each came back, or when a stop interrupted the reload, False to restart the whole
+        server instead: a stub seen only as a zombie pid names no model; a model reloaded RELOADS_PER_MINUTE
+        times within a minute (a stub that keeps dying: the restart also reaps its zombies); a load the
+        server refuses or that brings no live stubs."""
+        if not self.reload_models or any(name.startswith("pid ") for name in dead):
             return False
         models = sorted({model_of(name) for name in dead})
-        key = getattr(self.server, "reload_key", "")
-        header, _, value = key.partition("=")
-        t0 = time.monotonic()
-        log.error("Python stub(s) %s died; reloading %s (the other models serve on)", ", ".join(dead), ", ".join(models))
-        try:
-            for model in models:
-                # tritonserver reloads a loaded model only when its folder changed since it was loaded (a
-                # death after the stub's __pycache__ was written was a no-op load that left the model
-                # without a stub): touch the model's folder and everything in it.
-                folder = Path(self.server.repository) / model
-                for path in [folder, *folder.rglob("*")]:
-                    os.utime(path)
-                request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/load",
-                                                 data=b"{}", method="POST", headers={header: value} if key else {})
-                with urllib.request.urlopen(request, timeout=self.start_timeout) as response:
-                    response.read()
-        except Exception as exc:  # noqa: BLE001 - any failure: the whole restart, which always works
-            log.error("reloading %s failed (%s); restarting tritonserver instead", ", ".join(models), exc)
-            return False
-        for name in dead:  # the new instances' stubs: learned again below
+        now = time.monotonic()
+        for model in models:
+            recent = [t for t in self._reloaded_at.get(model, []) if now - t < 60]
+            if len(recent) >= self.RELOADS_PER_MINUTE:
+                log.error("%s reloaded %d times within a minute; restarting tritonserver instead", model, len(recent))
+                return False
+            self._reloaded_at[model] = recent + [now]
+        # Every instance of those models is replaced: forget them all (their pids stay buried: the old
+        # stubs exit under the same names while the new ones start).
+        old = [name for name in self.expected if model_of(name) in models]
+        for name in old:
             self.buried.add(self.expected.pop(name))
-        self._learn_stubs()
-        missing = [name for name in dead if name not in self.expected] + self.dead_stubs()
+        log.error("Python stub(s) %s died; reloading %s (the other models serve on)", ", ".join(dead), ", ".join(models))
+        result: dict = {}
+        loader = threading.Thread(target=self._load, args=(models, result), name="kimi-reload", daemon=True)
+        loader.start()
+        while loader.is_alive():
+            if self._stop.wait(0.1):
+                return True  # stopping: stop() takes the server down, reload or not
+        if "error" in result:
+            log.error("reloading %s failed (%s); restarting tritonserver instead", ", ".join(models), result["error"])
+            return False
+        deadline = time.monotonic() + 10  # the new stubs are up when the load answers; allow a moment
+        while True:
+            self._learn_stubs()
+            missing = [name for name in old if name not in self.expected] + self.dead_stubs()
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         if missing:
             log.error("reloading %s left %s without a live stub; restarting tritonserver instead", ", ".join(models),
                       ", ".join(missing))
@@ -453,9 +464,32 @@ class Supervisor:
         with self.relay.lock:
             for model in models:
                 self.relay.reloads[model] += 1
-        log.info("%s reloaded in %.1f s%s", ", ".join(models), time.monotonic() - t0,
+        log.info("%s reloaded in %.1f s%s", ", ".join(models), time.monotonic() - now,
                  f"; {removed} shared-memory region(s) of the dead stub(s) removed" if removed else "")
         return True
+
+    def _load(self, models: list[str], result: dict) -> None:
+        """Load each model through the repository API with the launcher's key (in a thread: a stop must not
+        wait for a load, which on a GPU includes the encoder's start-up captures)."""
+        key = getattr(self.server, "reload_key", "")
+        header, _, value = key.partition("=")
+        try:
+            for model in models:
+                # tritonserver reloads a loaded model only when its folder changed since it was loaded (a
+                # death after the stub's __pycache__ was written was a no-op load that left the model
+                # without a stub): touch the model's folder and everything in it.
+                folder = Path(self.server.repository) / model
+                for path in [folder, *folder.rglob("*")]:
+                    try:
+                        os.utime(path)
+                    except FileNotFoundError:  # a file replaced meanwhile (a .pyc being written)
+                        pass
+                request = urllib.request.Request(f"http://{self.server.http_url}/v2/repository/models/{model}/load",
+                                                 data=b"{}", method="POST", headers={header: value} if key else {})
+                with urllib.request.urlopen(request, timeout=self.start_timeout) as response:
+                    response.read()
+        except Exception as exc:  # noqa: BLE001 - any failure: the whole restart, which always works
+            result["error"] = exc
 
     def _restart(self, reason: str, why: str) -> None:
         self.serving.clear()

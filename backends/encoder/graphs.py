@@ -171,15 +171,15 @@ class BucketedGraphs:
                 x = tower.patch_embed.project(self.pixels[:size]) + self.pos[:size]
                 self.out[:size].copy_(tower.layers(x, meta, rope, self.backend))
 
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made, outside the capture
-                run()
-            torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             try:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):  # warm-up: kernels compiled, workspaces made, outside the capture
+                    run()
+                torch.cuda.current_stream(dev).wait_stream(side)
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     run()
-            except Exception as exc:  # noqa: BLE001 - that bucket's batches run in the next larger one
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory; that bucket's batches run in the next larger one
                 self.failed[size] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                 log.warning("CUDA graph capture of the %d-patch bucket failed (%s); its batches run in the next "
                             "larger bucket", size, self.failed[size])
@@ -197,6 +197,9 @@ class BucketedGraphs:
         seq_lens = [t * h * w for t, h, w in grids]
         n = sum(seq_lens)
         self.pixels[:n].copy_(pixel_values)
+        # Padding rows hold the last larger batch's pixels: zeroed, so that nothing a client sent (a NaN
+        # sent straight to moonvit3d) can reach another request's rows through a kernel's padded tiles.
+        self.pixels[n:size].zero_()
         for static, parts in ((self.pos, model.vision_tower.patch_embed.pos_emb.parts(grids, model.dtype)),
                               (self.rope, rope_parts(cfg, grids, dev))):
             if len(parts) == 1:

@@ -224,7 +224,11 @@ class EncoderStep:
 
         lines = [note] if (note := fast_path_note(self.model.device, self.model.dtype)) else []
         if self._graphed is not None:
-            lines.append(self._graphed.capture_buckets())
+            try:
+                lines.append(self._graphed.capture_buckets())
+            except Exception as exc:  # noqa: BLE001 - the encoder still serves: eagerly, or per grid list
+                log.exception("CUDA graph capture at start-up failed")
+                lines.append(f"no CUDA graphs captured at start-up ({type(exc).__name__}: {exc}); graphs per grid list")
             self._held.update()
         return lines
 

@@ -67,9 +67,12 @@ def test_the_command_line_client_sends_the_key(locked_server, tmp_path, capsys, 
 def test_the_key_restricts_the_admin_apis_over_both_protocols():
     cmd = tritonserver_command(TritonInstall("/bin/tritonserver", "/backends"), "/repo", Ports(),
                                cuda_pools={}, admin_key=KEY)
-    assert f"--http-restricted-api=model-repository,shared-memory,logging,trace:{KEY}" in cmd
-    assert f"--grpc-restricted-protocol=model-repository,shared-memory,logging,trace:{KEY}" in cmd
-    assert "--model-control-mode=explicit" in cmd  # reloads by the supervisor, behind the key
+    assert f"--http-restricted-api=shared-memory,logging,trace:{KEY}" in cmd
+    assert f"--grpc-restricted-protocol=shared-memory,logging,trace:{KEY}" in cmd
+    assert "--model-control-mode=explicit" in cmd  # reloads by the supervisor, behind a key of its own
+    # Loading runs code: the admin key, which clients hold for shared memory, never opens it.
+    assert not any(c.startswith("--http-restricted-api=model-repository") and c.endswith(KEY) for c in cmd)
+    assert sum(c.startswith("--http-restricted-api=model-repository:kimi-reload=") for c in cmd) == 1
 
 
 def test_without_a_key_the_model_repository_api_is_the_supervisors_alone():

@@ -157,3 +157,24 @@ def test_each_models_stub_killed_under_load_is_reloaded_alone_and_counted(caplog
     assert not _live_in_group(pid)  # the server and every stub are gone (at most unreaped zombies remain)
     left = [p.name for p in Path("/dev/shm").iterdir() if any(p.name.startswith(x) for x in prefixes)]
     assert left == [], left
+
+
+def test_a_model_of_two_instances_is_reloaded_and_one_that_keeps_dying_restarts_the_server():
+    """A reload replaces every instance of the model (their stubs keep their names under new pids); a
+    model reloaded RELOADS_PER_MINUTE times within a minute is restarted with the whole server instead."""
+    server = deployment_server(Deployment(device="cpu", preprocess_instances=2), "faults-two")
+    with server:
+        assert _serves(server, batched=False)
+        limit = server.RELOADS_PER_MINUTE
+        for k in range(limit + 1):
+            stubs = sorted((n, p) for n, p in stub_processes(server.proc.pid).items() if model_of(n) == "kimi_preprocess")
+            assert len(stubs) == 2, stubs
+            name, pid = stubs[k % 2]
+            os.kill(pid, signal.SIGKILL)
+            if k < limit:
+                assert _reloaded(server, "kimi_preprocess", k + 1, batched=False), f"not reloaded after {name} died"
+                assert server_restarts(server).get("stub_died", 0) == 0
+            else:
+                assert _healed(server, "stub_died", 1, False, backoff_s=30), f"not restarted after {name} died again"
+        assert server.relay.reloads["kimi_preprocess"] == limit
+        assert _serves(server, batched=False)
