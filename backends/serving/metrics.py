@@ -101,6 +101,7 @@ class ModelMetrics:
         self._observed: list[float] = []  # step times not yet sent
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watched: list = []  # (source, counters, gauges, last sent): the cache, the NIXL export
         kinds = pb_utils.MetricFamily
         for name, kind, description in (
             ("kimi_vision_stub_failures_total", kinds.COUNTER, "Requests our code answered with an error, by model and kind"),
@@ -153,54 +154,46 @@ class ModelMetrics:
     def watch_cache(self, cache) -> None:
         """Send an embedding cache's counts (backends/cache/store.py) with every flush: the counters as
         they grew, the bytes held as a gauge. None: nothing to watch."""
-        self._cache, self._cache_sent = cache, {"hits": 0, "misses": 0, "evictions": 0, "bytes": -1}
-        if cache is not None:
-            self._started()
-
-    def _send_cache(self) -> None:
-        cache = getattr(self, "_cache", None)
-        if cache is None:
-            return
-        now = cache.counts()
-        for kind in ("hits", "misses", "evictions"):
-            # Made at the first flush, at 0: the series exist before the first hit or eviction.
-            metric = self._metric(f"kimi_vision_cache_{kind}_total", ())
-            grown = now[kind] - self._cache_sent[kind]
-            if grown > 0:
-                if metric is not None:
-                    metric.increment(grown)
-                self._cache_sent[kind] = now[kind]
-        if now["bytes"] != self._cache_sent["bytes"]:
-            metric = self._metric("kimi_vision_cache_bytes", (("instance", self.instance),))
-            if metric is not None:
-                metric.set(now["bytes"])
-            self._cache_sent["bytes"] = now["bytes"]
+        self._watch(cache, {kind: f"kimi_vision_cache_{kind}_total" for kind in ("hits", "misses", "evictions")},
+                    {"bytes": "kimi_vision_cache_bytes"})
 
     def watch_nixl(self, export) -> None:
         """Send a NIXL export's counts (backends/nixl_export/arena.py `counts()`) with every flush, from the
         first one on: the gauges as they are, the counters as they grew."""
-        self._nixl, self._nixl_sent = export, {"outstanding": -1, "bytes": -1, "reads": 0, "expired": 0}
-        if export is not None:
-            self._started()
+        self._watch(export, {"reads": "kimi_vision_nixl_reads_total", "expired": "kimi_vision_nixl_expired_total"},
+                    {"outstanding": "kimi_vision_nixl_descriptors", "bytes": "kimi_vision_nixl_bytes"})
 
-    def _send_nixl(self) -> None:
-        export = getattr(self, "_nixl", None)
-        if export is None:
+    def _watch(self, source, counters: dict[str, str], gauges: dict[str, str]) -> None:
+        """Send `source.counts()` with every flush: `counters` (kind -> family) as they grew since the last
+        send, `gauges` (kind -> family, labelled with the instance) when they changed. None: nothing."""
+        if source is None:
             return
-        now = export.counts()
-        for kind in ("reads", "expired"):
-            metric = self._metric(f"kimi_vision_nixl_{kind}_total", ())
-            grown = now[kind] - self._nixl_sent[kind]
+        sent = {**{kind: 0 for kind in counters}, **{kind: -1 for kind in gauges}}
+        self._watched.append((source, counters, gauges, sent))
+        self._started()
+
+    def _send_watched(self) -> None:
+        for source, counters, gauges, sent in list(self._watched):
+            try:
+                self._send_counts(source.counts(), counters, gauges, sent)
+            except Exception:  # noqa: BLE001 - one source's failure must not stop the others
+                log.exception("%s: could not send the counts of %s", self.model, type(source).__name__)
+
+    def _send_counts(self, now: dict, counters: dict[str, str], gauges: dict[str, str], sent: dict) -> None:
+        for kind, family in counters.items():
+            # Made at the first flush, at 0: the series exist before the first count.
+            metric = self._metric(family, ())
+            grown = now[kind] - sent[kind]
             if grown > 0:
                 if metric is not None:
                     metric.increment(grown)
-                self._nixl_sent[kind] = now[kind]
-        for kind, family in (("outstanding", "kimi_vision_nixl_descriptors"), ("bytes", "kimi_vision_nixl_bytes")):
-            if now[kind] != self._nixl_sent[kind]:
+                sent[kind] = now[kind]
+        for kind, family in gauges.items():
+            if now[kind] != sent[kind]:
                 metric = self._metric(family, (("instance", self.instance),))
                 if metric is not None:
                     metric.set(now[kind])
-                self._nixl_sent[kind] = now[kind]
+                sent[kind] = now[kind]
 
     def step_time(self, seconds: float) -> None:
         with self._lock:
@@ -269,14 +262,7 @@ class ModelMetrics:
                     metric.increment(value)
             except Exception:  # noqa: BLE001
                 log.exception("%s: could not count %s", self.model, family)
-        try:
-            self._send_cache()
-        except Exception:  # noqa: BLE001
-            log.exception("%s: could not send the cache's counts", self.model)
-        try:
-            self._send_nixl()
-        except Exception:  # noqa: BLE001
-            log.exception("%s: could not send the NIXL counts", self.model)
+        self._send_watched()
         if observed:
             try:
                 metric = self._metric("kimi_vision_step_seconds", ())
