@@ -42,7 +42,7 @@ from backends.deploy.ports import free_ports
 from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
-from backends.deploy.supervisor import Supervisor, child_pids, processes
+from backends.deploy.supervisor import Supervisor, processes
 
 BUILD = REPO_ROOT / "build"
 STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (stub_env.prepare_stub_env)
@@ -446,28 +446,6 @@ class TritonServer:
                 removed.append(region.name)
             except OSError:
                 pass
-        return removed
-
-    def remove_orphan_regions(self) -> int:
-        """Remove this launch's Python-backend regions that no process of the server maps any more (what a
-        stub that died leaves once its model was reloaded); returns how many."""
-        if not self.shm_prefix or self.proc is None:
-            return 0
-        mapped: set[str] = set()
-        for pid in [self.proc.pid, *child_pids(self.proc.pid)]:
-            try:
-                maps = Path(f"/proc/{pid}/maps").read_text()
-            except OSError:
-                continue
-            mapped.update(line.rsplit("/", 1)[1] for line in maps.splitlines() if f"/dev/shm/{self.shm_prefix}" in line)
-        removed = 0
-        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
-            if region.name not in mapped:
-                try:
-                    region.unlink()
-                    removed += 1
-                except OSError:
-                    pass
         return removed
 
     def _signal_group(self, sig) -> None:

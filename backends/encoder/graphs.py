@@ -123,15 +123,17 @@ class BucketedGraphs:
         self.skipped: list[int] = []  # buckets the start-up budget left uncaptured
         self.replays = 0
         self.capture_s = 0.0
-        cfg, dev, dtype, top = model.cfg, model.device, model.dtype, max(self.sizes)
+        self.pixels = self.pos = self.rope = self.out = self.cu_seqlens = None  # made at the first capture
+
+    def _static_buffers(self) -> None:
+        cfg, dev, dtype, top = self.model.cfg, self.model.device, self.model.dtype, max(self.sizes)
         p = cfg.patch_size
-        with torch.inference_mode():
-            # Finite content from the start: padding rows read whatever the last batch left there.
-            self.pixels = torch.zeros((top, 3, p, p), dtype=dtype, device=dev)
-            self.pos = torch.zeros((top, cfg.hidden_size), dtype=dtype, device=dev)
-            self.rope = torch.ones((top, cfg.head_dim // 2), dtype=torch.complex64, device=dev)
-            self.out = torch.empty((top, cfg.hidden_size), dtype=dtype, device=dev)
-            self.cu_seqlens = torch.zeros(self.num_seqs + 1, dtype=torch.int32, device=dev)
+        # Finite content from the start: padding rows read whatever the last batch left there.
+        self.pixels = torch.zeros((top, 3, p, p), dtype=dtype, device=dev)
+        self.pos = torch.zeros((top, cfg.hidden_size), dtype=dtype, device=dev)
+        self.rope = torch.ones((top, cfg.head_dim // 2), dtype=torch.complex64, device=dev)
+        self.out = torch.empty((top, cfg.hidden_size), dtype=dtype, device=dev)
+        self.cu_seqlens = torch.zeros(self.num_seqs + 1, dtype=torch.int32, device=dev)
 
     def bucket_for(self, grids: list[tuple[int, int, int]], patches: int) -> int | None:
         if not (0 < patches <= self.sizes[-1]) or len(grids) > MAX_MEDIA:
@@ -153,6 +155,8 @@ class BucketedGraphs:
 
         t0, done = time.monotonic(), 0
         model, dev = self.model, self.model.device
+        if self.pixels is None:
+            self._static_buffers()
         for size in capture_order(self.sizes):
             if size in self.buckets or size in self.failed:
                 continue

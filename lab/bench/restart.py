@@ -6,7 +6,7 @@ Starts the deployment (cold start timed), sends one 1024^2 JPEG request, then fo
 moonvit3d's stub, and times (a) until the supervisor has reloaded moonvit3d alone (the other models serve
 on meanwhile; new instances, start-up captures included), (b) until a request is answered again (its
 first forward after the reload included). Where the reload fails the supervisor restarts the whole
-server; the row then says so.
+server; the row then says so. A last kill with reloads off times that whole restart in the same run.
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ def main(argv=None) -> int:
     with server:
         cold = time.monotonic() - t0
         first = _answered(server.grpc_url, blob, time.monotonic() + 600)
-        for k in range(args.kills):
+        # The kills, then one more with reloads off: the whole restart it replaces, in the same run.
+        for k in range(args.kills + 1):
+            if k == args.kills:
+                server.reload_models = False
             stubs = {n: p for n, p in stub_processes(server.proc.pid).items() if model_of(n) == ENCODER}
             name, pid = next(iter(stubs.items()))
             reloads, restarts = server.relay.reloads.get(ENCODER, 0), sum(server.relay.restarts.values())
@@ -68,6 +71,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"the supervisor did not heal {name}'s death within 600 s")
                 time.sleep(0.02)
             how = "reloaded" if server.relay.reloads.get(ENCODER, 0) > reloads else "whole server restarted"
+            how += " (reloads off)" if k == args.kills else ""
             if not server.serving.wait(600):
                 raise SystemExit(f"the server did not come back within 600 s of {name}'s death")
             healed = time.monotonic() - killed

@@ -40,7 +40,7 @@ from PIL import Image
 
 from backends.deploy.launcher import BUILD, deployment_server, resolve_device
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import processes, scrape
+from backends.deploy.supervisor import process_tree, scrape
 from backends.serving.metrics import ModelMetrics
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like, text_card
@@ -102,18 +102,6 @@ def request_mix(seed: int = 0):
         ("negative id", np.array([-1, 163605], np.int64), [small], None, 1),
     ]
     return [(label, True, *rest) for label, *rest in good] + [(label, False, *rest) for label, *rest in bad]
-
-
-def process_tree(pid: int) -> list[int]:
-    children = {}
-    for child, _, ppid, _, _ in processes():
-        children.setdefault(ppid, []).append(child)
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def memory(server, instances: dict | None = None) -> dict[str, float]:

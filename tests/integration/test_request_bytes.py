@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 from backends.config import Limits
 from backends.deploy.launcher import deployment_server
 from backends.deploy.repository import Deployment
-from backends.deploy.supervisor import processes
+from backends.deploy.supervisor import process_tree
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from server_state import eventually, metric_sum
@@ -98,22 +98,11 @@ def test_a_request_over_max_request_bytes_is_refused_naming_it(limited, protocol
         client.close()
 
 
-def _tree(pid: int) -> list[int]:
-    children = {}
-    for child, _, ppid, _, _ in processes():
-        children.setdefault(ppid, []).append(child)
-    out, todo = [], [pid]
-    while todo:
-        out.append(todo.pop())
-        todo += children.get(out[-1], [])
-    return out
-
-
 def _memory(srv) -> dict[str, float]:
     """MiB: the anonymous memory (heap) of tritonserver and its stubs, and the /dev/shm its regions use
     (allocated pages, not the files' sizes)."""
     heap = 0
-    for pid in _tree(srv.server.proc.pid):
+    for pid in process_tree(srv.server.proc.pid):
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
