@@ -96,7 +96,7 @@ for stage in "$@"; do
       if [[ $stage == perf ]]; then runs="1024:1,16 8x448:1,16"; else runs="3000:1,4"; fi
       for run in $runs; do
         images=${run%%:*}
-        python3 -m lab.bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --measurement-ms 3000 \
+        python3 -m lab.bench.perf --device gpu --checkpoint /tmp/kimi-random --perf-dir /tmp/perf --measurement-ms ${PERF_MS:-4000} \
           --shared-memory cuda --encoder-alone --images $images --concurrency ${run#*:} \
           --ensembles ${PERF_ENSEMBLES:-plain,batched} --out "$out/perf-$images" --section "perf-$images" > "$out/perf_$images.log" 2>&1
         tail -16 "$out/perf_$images.log"

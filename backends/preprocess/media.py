@@ -19,7 +19,7 @@ import numpy as np
 
 from backends.config import Limits, MediaConfig
 from backends.errors import RequestError
-from backends.preprocess.resize_rule import ResizePlan, navit_resize
+from backends.preprocess.resize_rule import ResizePlan, largest_padded_patches, navit_resize
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,14 @@ class MediaPlan:
     plan: ResizePlan
     frames: tuple[int, ...]  # indices into IMAGES
     is_video: bool
+
+
+def largest_media_patches(media: MediaConfig) -> int:
+    """The most patches one media can bring to the encoder: an image, or a video chunk of the most frames
+    (each planned with the per-frame budget). 21,408 for K2.5's config (a 4-frame chunk; an image at most
+    17,856), which is where the encoder's CUDA-graph buckets end."""
+    return max(largest_padded_patches(media),
+               media.temporal_merge_kernel_size * largest_padded_patches(media, media.in_patch_limit_each_frame))
 
 
 def split_media(num_blobs: int, media_frames, media: MediaConfig) -> list[tuple[tuple[int, ...], bool]]:

@@ -7,6 +7,7 @@ bottom/right to a multiple of patch*merge (28 px for K2.5).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -74,3 +75,30 @@ def navit_resize(width: int, height: int, media: MediaConfig, *, patch_limit: in
         pad_width=(factor - new_w % factor) % factor, pad_height=(factor - new_h % factor) % factor,
         patch_size=ps, merge=media.merge_kernel_size, frames=frames,
     )
+
+
+def largest_padded_patches(media: MediaConfig, patch_limit: int | None = None) -> int:
+    """The most patches `navit_resize` can give one frame: every (W, H) with each side up to twice the
+    per-side limit, evaluated with the rule's own arithmetic (vectorized; IEEE doubles as math.sqrt and
+    int() use). Wider or taller images are scaled by the per-side limit to the same sizes as ones within
+    it. Padding to 28 px is why this exceeds the patch budget: 1x3000^2 gives 130 x 130 = 16,900 patches
+    for a budget of 16,384, and the largest is 36 x 496 = 17,856 (7081 x 489 px, K2.5's config)."""
+    return _largest_padded_patches(media.patch_size, media.in_patch_limit if patch_limit is None else patch_limit,
+                                   media.patch_limit_on_one_side, media.pad_multiple)
+
+
+@functools.lru_cache(maxsize=8)
+def _largest_padded_patches(ps: int, limit: int, side_patches: int, factor: int) -> int:
+    import numpy as np
+
+    side = side_patches * ps
+    w = np.arange(1, 2 * side + 1, dtype=np.float64)
+    fw = np.maximum(1, w // ps)
+    best = 0
+    for h in range(1, 2 * side + 1):  # the rule is symmetric in W and H: H <= W suffices
+        ws, fws = w[h - 1:], fw[h - 1:]
+        scale = np.minimum(np.minimum(1.0, np.sqrt(limit / (fws * max(1, h // ps)))), np.minimum(side / ws, side / h))
+        nw = np.minimum(np.maximum(1, np.floor(ws * scale)), side)
+        nh = np.minimum(np.maximum(1, np.floor(h * scale)), side)
+        best = max(best, int(((np.ceil(nw / factor) * factor) * (np.ceil(nh / factor) * factor)).max()) // (ps * ps))
+    return best

@@ -24,6 +24,7 @@ from backends.errors import RequestCancelled, RequestError
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import check_image_bytes, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
+from backends.preprocess.warmup import warmup_requests
 from contract import EXPANDED_IDS, GRID_THWS, IMAGE_TOKEN_COUNTS, MEDIA_CACHED, MEDIA_KEYS, PIXEL_VALUES
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,21 @@ class PreprocessStep:
         self.pre = Preprocessor(cfg.media, limits, device=device, out_dtype=out_dtype)
         self.cache_context, self.held = cache_context, held
 
+    def prepare(self) -> str:
+        """Start-up work that keeps first requests as fast as later ones: a few requests of our own through
+        every path (backends/preprocess/warmup.py), not counted in the decode statistics. Returns a line
+        for the log."""
+        t0 = time.perf_counter()
+        counted = dict(self.pre.decode_stats)
+        requests = warmup_requests(self.cfg.media)
+        for images in requests:
+            self.pre(images)
+        if self.pre.device.type == "cuda":
+            torch.cuda.synchronize(self.pre.device)
+        self.pre.decode_stats.clear()
+        self.pre.decode_stats.update(counted)
+        return f"warmed up with {len(requests)} requests of our own in {time.perf_counter() - t0:.2f} s"
+
     def keys(self, images: Sequence[bytes], media_frames=None) -> list[bytes]:
         """Each media's cache key, in order; [] with the cache off."""
         if self.cache_context is None:
@@ -193,6 +209,10 @@ class _Media:
     pixels: torch.Tensor | None = None
 
 
+# The encoder's start-up forwards: one image, and two of different sizes in one batch (small: start-up).
+WARMUP_GRIDS = ([(1, 16, 16)], [(1, 20, 28), (1, 16, 16)])
+
+
 class EncoderStep:
     """Runs several requests' media in one varlen forward and splits the embeddings back per request.
 
@@ -204,7 +224,9 @@ class EncoderStep:
     nothing of a failed forward is cached.
     """
 
-    def __init__(self, model, cuda_graphs: int = 0, cache: EmbeddingCache | None = None):
+    def __init__(self, model, cuda_graphs: int = 0, cache: EmbeddingCache | None = None, max_patches: int = 16384):
+        """`max_patches`: the largest batch CUDA graphs take (serving: the largest one media can bring,
+        largest_media_patches, so that every single media has its bucket)."""
         self.model = model
         self.cache = cache if cache is not None and cache.enabled else None
         # The forward used for batches: graph replays for grid lists seen before, on CUDA.
@@ -213,13 +235,15 @@ class EncoderStep:
         if cuda_graphs > 0 and model.device.type == "cuda":
             from backends.encoder.graphs import GraphedEncoder
 
-            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs)
+            self.forward = self._graphed = GraphedEncoder(model, max_graphs=cuda_graphs, max_patches=max_patches)
         self.merge_tokens = model.cfg.merge_tokens
         self._held = HeldCount(self, model.device)
 
     def prepare(self) -> list[str]:
         """Start-up work that keeps first requests as fast as later ones: the CUDA graphs of every patch
-        bucket. Returns lines for the log (what was captured, and a missing fast kernel)."""
+        bucket, then a few forwards of our own through the paths around them (WARMUP_GRIDS: the eager
+        merge and projector, the per-grid tables, the allocator's first segments). Returns lines for the
+        log (what was captured, and a missing fast kernel)."""
         from backends.encoder.attention import fast_path_note
 
         lines = [note] if (note := fast_path_note(self.model.device, self.model.dtype)) else []
@@ -229,7 +253,17 @@ class EncoderStep:
             except Exception as exc:  # noqa: BLE001 - the encoder still serves: eagerly, or per grid list
                 log.exception("CUDA graph capture at start-up failed")
                 lines.append(f"no CUDA graphs captured at start-up ({type(exc).__name__}: {exc}); graphs per grid list")
-            self._held.update()
+        t0 = time.perf_counter()
+        p = self.model.cfg.patch_size
+        with torch.inference_mode():
+            for grids in WARMUP_GRIDS:
+                patches = sum(t * h * w for t, h, w in grids)
+                x = torch.zeros((patches, 3, p, p), dtype=self.model.dtype, device=self.model.device)
+                self.forward(x, np.asarray(grids, dtype=np.int64))
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        lines.append(f"warmed up with {len(WARMUP_GRIDS)} forwards of our own in {time.perf_counter() - t0:.2f} s")
+        self._held.update()
         return lines
 
     def cached_bytes(self) -> int:

@@ -24,7 +24,7 @@ from backends.cache.index import SHM, KeyTable, KeyTables, server_prefix
 from backends.cache.store import EmbeddingCache
 from backends.errors import RequestCancelled, RequestError
 from backends.nixl_export.arena import NixlExport, nixl_requested
-from backends.preprocess.media import split_media
+from backends.preprocess.media import largest_media_patches, split_media
 from backends.serving import bytes_inputs
 from backends.serving.metrics import ModelMetrics, allocator_gauges
 from backends.serving.profiling import ExecuteProfiler
@@ -316,6 +316,7 @@ class PreprocessModel(_Adapter):
         held = KeyTables(prefix).held if prefix else None
         self.step = PreprocessStep(self.settings.vision, self.settings.limits, device=self.settings.device,
                                    out_dtype=dtype, cache_context=context, held=held)
+        log.info("%s: %s", self.name, self.step.prepare())
 
     def respond(self, inputs: _Inputs):
         images = inputs.bytes_list(IMAGES)
@@ -356,8 +357,10 @@ class EncoderModel(_Adapter):
                                 self.name, SHM, exc)
             cache = EmbeddingCache(self.settings.cache_bytes, on_put=self.table and self.table.add,
                                    on_evict=self.table and self.table.remove)
-        self.step = EncoderStep(_load_encoder(self.settings, self.config), cuda_graphs=self.settings.cuda_graphs,
-                                cache=cache)
+        model = _load_encoder(self.settings, self.config)
+        # Every single media in a CUDA-graph bucket, 1x3000^2 (16,900 patches after padding) included.
+        top = largest_media_patches(self.settings.vision.media) if model.device.type == "cuda" else 16384
+        self.step = EncoderStep(model, cuda_graphs=self.settings.cuda_graphs, cache=cache, max_patches=top)
         for line in self.step.prepare():
             log.info("%s: %s", self.name, line)
         self._fallback_step = None

@@ -1,7 +1,8 @@
 """End to end, JPEG bytes to image embeddings, side by side in one run, for 1x1024^2, 1x3000^2 and
 8x448^2 JPEGs (quality 90), median and min of N wall-clock runs after two warm-ups:
 
-(a) ours through tritonserver (GPU deployment of --checkpoint) over gRPC: the embeddings come back
+(a) ours through tritonserver (GPU deployment of --checkpoint, the embedding cache off: every call
+    encodes) over gRPC: the embeddings come back
     in the gRPC response (BF16; tritonclient returns ml_dtypes.bfloat16, KimiVisionClient widens it
     to a float32 numpy array);
 (a2) as (a) with `KimiVisionClient(embeds_dtype="bf16")`: the response's BF16 bits as they came;
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("lab/out"))
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args(argv)
-    dep = Deployment(device="gpu", checkpoint=args.checkpoint)
+    # Each path sends the same images again and again: the embedding cache off, so that every call runs
+    # the encoder as a first sending does (the cache's own figures: lab/bench/multiturn.py).
+    dep = Deployment(device="gpu", checkpoint=args.checkpoint, cache_bytes=0)
     requests = case_requests(dep)
 
     notes = []

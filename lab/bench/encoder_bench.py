@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.config import EncoderConfig
+from backends.config import EncoderConfig, MediaConfig
 from backends.encoder.attention import available_backends
 from backends.encoder.metadata import rope_angles_table
 from backends.kernels.rope import apply_rope_portable
 from backends.kernels import rope as fused_rope
 from backends.encoder.graphs import GraphedEncoder
+from backends.preprocess.media import largest_media_patches
 from lab.bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, graph_time_ms, machine_line, matmul_peak_tflops, write_report
 from oracles.transformers_kimi import hf_config, hf_model, rel_err
 
@@ -57,7 +58,7 @@ def encoder_section(args, peak: float, lines: list, results: dict) -> None:
     ours = ours_from_hf(hf, dev, dt)
     backends = [b for b in available_backends(dev, dt) if b != "sdpa_loop"]
     # What serving replays where flash-attn-4 is installed: a graph per patch bucket, captured up front.
-    bucketed = GraphedEncoder(ours)
+    bucketed = GraphedEncoder(ours, max_patches=largest_media_patches(MediaConfig()))
     lines.append(f"start-up capture: {bucketed.capture_buckets()}\n")
 
     rows = []

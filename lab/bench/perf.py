@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=0.0,
                     help="seconds one perf_analyzer run may take before it counts as hung (default: 12 measurement "
                          "windows + 120 s)")
+    ap.add_argument("--cache-bytes", type=int, default=0,
+                    help="own server: the embedding cache's budget per encoder instance (default 0, off: "
+                         "perf_analyzer resends one request, which the cache would answer without the encoder)")
     ap.add_argument("--out", type=Path, default=BUILD / "perf")
     ap.add_argument("--section", default="",
                     help="also write the table into this section of lab/results/<machine>.md (lab/RESULTS.md "
@@ -246,8 +249,11 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
     served = RunningServer(args.url) if args.url else None
     if served:
         device = served.device
+    # perf_analyzer resends one request: with the embedding cache on, every request after the first would
+    # be a hit and the encoder would not run. Off by default, so that what is measured is the pipeline
+    # (the cache's own figures: lab/bench/multiturn.py).
     dep = Deployment(device=device, checkpoint=args.checkpoint, encoder_instances=args.encoder_instances,
-                     preprocess_instances=args.preprocess_instances)
+                     preprocess_instances=args.preprocess_instances, cache_bytes=args.cache_bytes)
     sizes = output_byte_sizes(dep, chat_prompt_ids(len(images)), images, served)
     # perf_analyzer gives every variable-shape output its own region of this size (x batch size 1).
     output_region = max(sizes.values())
@@ -327,7 +333,8 @@ def measure(args, argv, plan: argparse.Namespace, daemon: mps.Daemon | None = No
              f"checkpoint={args.checkpoint or 'embedded demo'}, images={args.images} ({len(images)} per request), "
              f"{time.strftime('%Y-%m-%d %H:%M')}, wall {wall:.0f}s"
              + ("" if served else f", instances{' per GPU' if dep.device == 'gpu' else ''}: moonvit3d {dep.encoder_instances}, "
-                                  f"kimi_preprocess {dep.preprocess_instances}")
+                                  f"kimi_preprocess {dep.preprocess_instances}, embedding cache "
+                                  + (f"{dep.cache_bytes:,} B" if dep.cache_bytes else "off"))
              + (", MEDIA_FRAMES sent as zeros (perf_analyzer's shared memory needs every input)" if with_frames else ""),
              "outputs per request: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items())
              + (f"; shared-memory region per output {output_region:,} B" if shm_modes != ["none"] else ""),

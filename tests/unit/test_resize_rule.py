@@ -43,3 +43,22 @@ def test_checkpoint_limits_change_the_rule():
     plan = navit_resize(3000, 3000, tight)
     assert (plan.width, plan.height, plan.pad_width, plan.pad_height) == (896, 896, 0, 0)
     assert plan.grid_thw == (1, 64, 64) and plan.num_tokens == 1024
+
+
+def test_largest_padded_patches_is_the_rules_maximum():
+    """Checked against the per-size rule itself over every size of a small config (each side up to three
+    times the per-side limit), and on K2.5's: attained, and above every sampled size."""
+    import numpy as np
+
+    from backends.preprocess.resize_rule import largest_padded_patches
+
+    small = MediaConfig(in_patch_limit=64, patch_limit_on_one_side=16)
+    side = 16 * small.patch_size
+    brute = max(navit_resize(w, h, small).num_patches for w in range(1, 3 * side) for h in range(1, 3 * side))
+    assert largest_padded_patches(small) == brute
+    top = largest_padded_patches(K25)
+    assert navit_resize(7081, 489, K25).num_patches == top == 17856  # above the 16,384 budget: padding
+    assert navit_resize(3000, 3000, K25).num_patches == 16900
+    rng = np.random.default_rng(0)
+    for w, h in rng.integers(1, 3 * 512 * 14, size=(3000, 2)):
+        assert navit_resize(int(w), int(h), K25).num_patches <= top
