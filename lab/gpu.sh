@@ -16,6 +16,7 @@
 #   perf        perf_analyzer, 1x1024^2 and 8x448^2 at concurrency 1 and 16, the encoder alone in the same
 #               run (lab/bench/perf.py; PERF_ENSEMBLES=plain for one ensemble)
 #   perf3000    the same for 1x3000^2 at concurrency 1 and 4
+#   firsttime   where a size's first time goes, without tritonserver (lab/bench/first_time.py)
 #   mixed       sizes never seen: the first request after start-up, 40 random sizes twice (lab/bench/mixed_sizes.py)
 #   e2e         JPEG bytes to embeddings through the server against the reference (lab/bench/e2e_bench.py)
 #   soak        10000 mixed requests at concurrency 16, memory sampled (lab/bench/soak.py)
@@ -104,6 +105,10 @@ for stage in "$@"; do
     mixed) random_checkpoint
       python3 -m lab.bench.mixed_sizes --device gpu --checkpoint /tmp/kimi-random --section mixed_sizes > "$out/mixed.log" 2>&1
       grep -v "^[IWE]1[0-9]" "$out/mixed.log" | tail -8 ;;
+    firsttime) random_checkpoint  # where a size's first time goes, in one process (lazy and eager CUDA modules)
+      python3 -m lab.bench.first_time --checkpoint /tmp/kimi-random > "$out/first_time.log" 2>&1
+      CUDA_MODULE_LOADING=EAGER python3 -m lab.bench.first_time --checkpoint /tmp/kimi-random > "$out/first_time_eager.log" 2>&1
+      grep -hE "^CUDA_MODULE|^median|loaded in|warmed|captured|^1024x1024" "$out"/first_time*.log ;;
     e2e) random_checkpoint
       python3 -m lab.bench.e2e_bench --checkpoint /tmp/kimi-random --out "$out" > "$out/e2e.log" 2>&1; tail -20 "$out/e2e.log" ;;
     soak)

@@ -24,7 +24,8 @@ patch attends to them, and attention over them costs next to nothing), and `cu_s
 media, then the padding pieces, then empty sequences up to its fixed length. Every other op of the tower
 works row by row (GEMMs, norms, GELU, RoPE), so the real rows come out as they would unpadded: the GPU
 tests hold replays to the eager forward bit for bit (tests/gpu/test_encoder_graphs.py), which relies on
-cuBLAS giving a row the same bits whatever the batch's row count (measured: lab/bench/batch_dependence.py).
+cuBLAS giving a row the same bits whatever the batch's row count from 128 rows up (measured:
+lab/bench/batch_dependence.py; under 128 rows it picks other kernels, docs/encoder.md#cuda-graphs).
 The merge and projector run eagerly on the real rows after the replay.
 """
 
@@ -68,7 +69,8 @@ CAPTURE_BUDGET_S = 60.0
 def bucket_sizes(max_patches: int, smallest: int = 256, ratio: float = 1.0625, granule: int = 64) -> list[int]:
     """Patch counts of the buckets: `smallest`, then each about `ratio` times the last (a multiple of
     `granule`), ending at `max_patches`. At 1.0625 a large batch pads at most 1/17 of its rows (about 3%
-    on average; one 1024^2 image, 5,476 patches, runs in 5,632) and 16,384 patches take 53 buckets."""
+    on average; one 1024^2 image, 5,476 patches, runs in 5,632); 21,408 patches (the largest media,
+    resize_rule.largest_padded_patches) take 57 buckets."""
     sizes, b = [], smallest
     while b < max_patches:
         sizes.append(b)

@@ -7,6 +7,7 @@ import torch
 
 from backends.config import EncoderConfig
 from backends.encoder.graphs import GraphedEncoder
+from backends.encoder.moonvit3d import Rope
 from backends.checkpoint.seeded import seeded_model
 
 DEV = "cuda"
@@ -157,8 +158,11 @@ BUCKET_CASES = [
     [(2, 12, 16)],  # a video chunk
     [(1, 58, 50)],  # 2,900 in a larger bucket
     [(1, 8, 8)] * 12 + [(1, 30, 42)],  # many media
-    [(1, 2, 2)],  # 4 patches in the 256 bucket
 ]
+# Under 128 rows cuBLAS picks other GEMM kernels than for the same rows inside a larger batch (measured
+# on an H100: fc2, K=4304, differs for m <= 64), so a media this small, alone, is compared with its rows
+# in an eager batch of a bucket's size (docs/encoder.md#cuda-graphs).
+TINY = [(1, 2, 2)]  # 4 patches in the 256 bucket
 
 
 def test_bucketed_replays_equal_eager_for_sizes_never_seen(model):
@@ -175,6 +179,27 @@ def test_bucketed_replays_equal_eager_for_sizes_never_seen(model):
         assert torch.equal(got, want), grids
     assert graphed.buckets.replays == 2 * len(BUCKET_CASES)
     assert graphed.replays == 0 and not graphed.graphs  # no per-grid-list graph, no eager first sighting
+
+
+def test_a_tiny_media_gets_the_rows_it_has_in_a_bucket_sized_batch(model):
+    """4 patches replay in the 256-patch bucket: the tower's rows are those of an eager batch of 256 rows
+    (the tiny media first, a filler after it), and the merge and projector run on its rows alone in both."""
+    backend = _bucket_backend()
+    graphed = GraphedEncoder(model, max_patches=1024, bucket_backend=backend)
+    graphed.capture_buckets()
+    filler = [(1, 14, 18)]  # 252 patches: 256 rows in all
+    x, pad = pixels(TINY, 41), pixels(filler, 42)
+    got = graphed(x, TINY)
+    assert graphed.buckets.replays == 1
+    with torch.inference_mode():
+        grids = TINY + filler
+        meta = model.metadata(grids)
+        rope = Rope(meta.rope, model.device, model.dtype)
+        tower = model.vision_tower(torch.cat([x, pad]), meta, rope, attn_backend=backend)
+        n = x.shape[0]
+        host = type(meta)(grids=TINY, seq_lens=[n], max_seqlen=n, cu_seqlens=meta.cu_seqlens, rope=meta.rope)
+        want = model.merge_and_project(tower[:n], host)
+    assert torch.equal(got, want)
 
 
 def test_batches_buckets_cannot_take_go_the_per_grid_list_way(model):
