@@ -39,10 +39,13 @@ from pathlib import Path
 from backends.config import env_flag, env_int
 from backends.deploy import allocator as heap, mps, ports as port_check
 from backends.deploy.ports import free_ports
+from backends.deploy.first_requests import warm_up
 from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
 from backends.deploy.supervisor import Supervisor, processes
+
+log = logging.getLogger(__name__)
 
 BUILD = REPO_ROOT / "build"
 STUB_ENV = BUILD / "stub-env"  # the stub's virtualenvs, one per path list (stub_env.prepare_stub_env)
@@ -283,8 +286,11 @@ class TritonServer:
                  install: TritonInstall | None = None, address: str = "127.0.0.1",
                  metrics_port: int | None = None, admin_key: str = "", env: dict[str, str] | None = None,
                  trace_file: Path | None = None, reaper=None, http_max_input_bytes: int | None = None,
-                 allocator: heap.Allocator | None = None):
+                 allocator: heap.Allocator | None = None, first_requests=None):
         self.repository = Path(repository).resolve()
+        # Called with this server once it is ready, before start() returns (first_requests.py): returns a
+        # line for the log. The supervisor calls it again after reloading a model.
+        self.first_requests = first_requests
         self.http_max_input_bytes = http_max_input_bytes
         self.allocator = allocator  # None: heap.find() at the first launch (KIMI_MALLOC, else jemalloc if any)
         self.reaper = reaper  # the launcher's (reaper.py): what this server starts dies with the launcher
@@ -355,7 +361,14 @@ class TritonServer:
     def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None, should_stop=None) -> "TritonServer":
         self.launch(stream_log)
         self.wait_ready(timeout, on_poll, should_stop)
+        self.send_first_requests()
         return self
+
+    def send_first_requests(self) -> None:
+        if self.first_requests is not None:
+            line = self.first_requests(self)
+            if line:
+                log.info("first requests: %s", line)
 
     def wait_ready(self, timeout: float, on_poll=None, should_stop=None) -> None:
         """Poll readiness; `on_poll()` runs at each poll and once more when ready (the supervisor
@@ -485,6 +498,8 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     kwargs.setdefault("cuda_pools", dep.cuda_pools())
     kwargs.setdefault("http_max_input_bytes", dep.http_max_input_bytes())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
+    if dep.device == "gpu":  # the stubs' first GPU hand-offs before anyone is told the server is ready
+        kwargs.setdefault("first_requests", lambda server: warm_up(server.grpc_url, dep))
     private = None  # the supervised server's own metrics port, distinct from the public ones
     if ports is None:
         http, grpc, metrics, private = free_ports(4)

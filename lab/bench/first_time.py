@@ -23,7 +23,7 @@ from backends.checkpoint import load_model
 from backends.config import Limits
 from backends.preprocess.media import largest_media_patches
 from backends.serving.steps import EncoderRequest, EncoderStep, PreprocessStep
-from lab.bench.mixed_sizes import jpeg, random_sizes
+from lab.bench.cases import jpeg, random_sizes
 
 
 def sync() -> None:
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default="/tmp/kimi-random")
     ap.add_argument("--images", type=int, default=12)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--replay-buckets", action="store_true")
     args = ap.parse_args(argv)
     print("CUDA_MODULE_LOADING =", os.environ.get("CUDA_MODULE_LOADING", "(unset: lazy)"), flush=True)
     t0 = time.perf_counter()
@@ -66,6 +67,17 @@ def main(argv=None) -> int:
     enc = EncoderStep(model, cuda_graphs=16, max_patches=largest_media_patches(cfg.media))
     for line in enc.prepare():
         print("encoder:", line, flush=True)
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        print(f"GPU memory in use after start-up: {(total - free) / 2**30:.2f} GiB (torch reserved "
+              f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB)", flush=True)
+    if args.replay_buckets:  # each bucket's graph launched once before any request
+        t = time.perf_counter()
+        buckets = enc._graphed.buckets.buckets
+        for b in buckets.values():
+            b.graph.replay()
+        sync()
+        print(f"encoder: {len(buckets)} bucket graphs replayed once in {time.perf_counter() - t:.2f} s", flush=True)
 
     def steps(blob: bytes):
         pre_ms, out = timed(lambda: pre([blob]))
@@ -87,17 +99,24 @@ def main(argv=None) -> int:
     p = np.array(rows, dtype=float)
     print(f"median first/again: preprocess {np.median(p[:, 2]):.2f}/{np.median(p[:, 3]):.2f} ms, "
           f"encoder {np.median(p[:, 4]):.2f}/{np.median(p[:, 5]):.2f} ms")
-    # Profile new sizes' first times: host functions by own time.
+    # Profile new sizes' first times: host functions by own time, and the CUDA runtime calls.
     for j, (w, h) in enumerate([(1013, 777), (641, 1399)]):
         blob = jpeg(w, h, seed=5000 + j)
-        print(f"\n--- cProfile, preprocess first {w}x{h}")
-        holder = {}
-        print(profiled(lambda: holder.setdefault("out", pre([blob]))))
-        out = holder["out"]
+        out = pre([blob])
         req = EncoderRequest(out["PIXEL_VALUES"], out["GRID_THWS"])
-        print(f"\n--- cProfile, encoder first {w}x{h}")
-        print(profiled(lambda: enc.run_batch([req])))
+        print(f"\n--- torch.profiler, encoder first {w}x{h}")
+        print(torch_profiled(lambda: enc.run_batch([req])))
     return 0
+
+
+def torch_profiled(fn, top: int = 18) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
 
 
 if __name__ == "__main__":

@@ -30,23 +30,8 @@ import tritonclient.grpc as grpcclient
 from backends.deploy.launcher import deployment_server, resolve_device
 from backends.deploy.repository import Deployment
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
-from clients.samples import encode, photo_like
+from lab.bench.cases import jpeg, random_sizes
 from lab.bench.results_page import report
-
-
-def random_sizes(n: int, seed: int = 7, low: int = 500, high: int = 1500) -> list[tuple[int, int]]:
-    """`n` distinct (width, height) pairs, each side in [low, high]."""
-    rng = np.random.default_rng(seed)
-    out: list[tuple[int, int]] = []
-    while len(out) < n:
-        wh = (int(rng.integers(low, high + 1)), int(rng.integers(low, high + 1)))
-        if wh not in out:
-            out.append(wh)
-    return out
-
-
-def jpeg(w: int, h: int, seed: int) -> bytes:
-    return encode(photo_like(w, h, seed=seed), "JPEG", quality=90)
 
 
 def summary(ms: list[float]) -> str:

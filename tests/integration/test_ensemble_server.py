@@ -8,6 +8,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backends.config import DEMO_CONFIG
+from backends.deploy.first_requests import warm_up
+from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import scrape_text
 from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
@@ -339,3 +341,10 @@ def test_mistakes_at_the_client_come_back_with_what_to_do(server):
     finally:
         for c in (typo, wrong_port, plain):
             c.close()
+
+
+def test_the_first_requests_a_gpu_server_sends_itself_pass_through_both_ensembles(server):
+    """first_requests.warm_up, which a GPU deployment runs before it reports ready, against this server: each
+    of its requests answered (its reason, the stubs' first GPU hand-off, is timed by lab/bench/mixed_sizes.py)."""
+    line = warm_up(server.grpc_url, Deployment(device="gpu"))
+    assert line.startswith("sent 8 requests") and "failed" not in line, line

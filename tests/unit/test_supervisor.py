@@ -120,6 +120,23 @@ def test_a_supervised_server_gets_four_distinct_ports(tmp_path):
         sup.relay.stop()
 
 
+def test_only_a_gpu_deployment_sends_first_requests_before_it_is_ready(tmp_path, monkeypatch):
+    """A GPU server sends its own requests once ready, before start() returns (first_requests.py: the
+    stubs map tritonserver's CUDA pool at their first GPU hand-off); a CPU server has nothing to map."""
+    from backends.deploy import launcher
+    from backends.deploy.repository import Deployment
+
+    sent = []
+    monkeypatch.setattr(launcher, "warm_up", lambda url, dep: sent.append((url, dep.device)) or "sent")
+    gpu = launcher.deployment_server(Deployment(device="gpu"), "first-gpu", repository=tmp_path / "gpu", supervise=False)
+    cpu = launcher.deployment_server(Deployment(device="cpu"), "first-cpu", repository=tmp_path / "cpu", supervise=False)
+    assert cpu.first_requests is None
+    monkeypatch.setattr(gpu, "wait_ready", lambda *a: sent.append("ready"))
+    monkeypatch.setattr(gpu, "launch", lambda *a: sent.append("launched"))
+    gpu.start()
+    assert sent == ["launched", "ready", (gpu.grpc_url, "gpu")]
+
+
 def test_serving_is_clear_after_stop_even_when_a_restart_ends_meanwhile(tmp_path):
     """stop() while the watch thread's restart is inside its start: the start may still return (its last
     look at the stop flag was before), and the supervisor must not then say it is serving."""
