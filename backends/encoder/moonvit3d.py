@@ -22,6 +22,7 @@ from backends.config import EncoderConfig
 from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.cache import TensorCache
 from backends.encoder.metadata import ForwardMetadata, build_metadata, check_pixels
+from backends.encoder.pos_resize import resize_table
 from backends.kernels import rope as fused_rope
 
 
@@ -62,16 +63,15 @@ class PosEmbDivided(nn.Module):
         self._resized = TensorCache(max_bytes=512 << 20)
 
     def grid(self, h: int, w: int) -> torch.Tensor:
-        """(h*w, D) in the weight's dtype. No antialias, align_corners=False, as the reference.
+        """(h*w, D) in the weight's dtype: the reference's bicubic resize (no antialias,
+        align_corners=False) as two small GEMMs (pos_resize.py: torch's kernel took ~8 ms per new grid).
 
-        Cached per grid size: the bicubic resize of a 64x64x1152 table costs ~8 ms on an H200 in bf16
-        (a quarter of a 1024^2 forward), and in serving the weights do not change. The key holds the
-        weight's storage and version, so a weight update is never served a stale table."""
+        Cached per grid size, since in serving the weights do not change. The key holds the weight's
+        storage and version, so a weight update is never served a stale table."""
         if (h, w) == tuple(self.weight.shape[:2]):
             return self.weight.flatten(0, 1)
         def resize():
-            resized = F.interpolate(self.weight.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
-            return resized[0].permute(1, 2, 0).flatten(0, 1).contiguous()
+            return resize_table(self.weight.detach(), h, w).flatten(0, 1).contiguous()
 
         return self._resized.get((h, w, self.weight.data_ptr(), self.weight._version, self.weight.dtype), resize)
 
