@@ -1,7 +1,7 @@
 """Where a size's first time goes, in one process without tritonserver: preprocessing and the encoder as
 the served models set them up (warm-ups, bucketed CUDA graphs), then images of sizes never seen, each
 timed the first time and again (another image of the same size), synchronized. The slowest first
-times are profiled (cProfile, host side) so the cost can be named.
+times are profiled (torch profiler: host calls and kernels) so the cost can be named.
 
     python -m lab.bench.first_time --checkpoint /tmp/kimi-random
     CUDA_MODULE_LOADING=EAGER python -m lab.bench.first_time --checkpoint /tmp/kimi-random
@@ -10,10 +10,7 @@ times are profiled (cProfile, host side) so the cost can be named.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import time
 
 import numpy as np
@@ -39,24 +36,11 @@ def timed(fn) -> tuple[float, object]:
     return (time.perf_counter() - t) * 1000, out
 
 
-def profiled(fn, top: int = 14) -> str:
-    prof = cProfile.Profile()
-    sync()
-    prof.enable()
-    fn()
-    sync()
-    prof.disable()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return "\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-4000:]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="/tmp/kimi-random")
     ap.add_argument("--images", type=int, default=12)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--replay-buckets", action="store_true")
     args = ap.parse_args(argv)
     print("CUDA_MODULE_LOADING =", os.environ.get("CUDA_MODULE_LOADING", "(unset: lazy)"), flush=True)
     t0 = time.perf_counter()
@@ -71,13 +55,6 @@ def main(argv=None) -> int:
         free, total = torch.cuda.mem_get_info()
         print(f"GPU memory in use after start-up: {(total - free) / 2**30:.2f} GiB (torch reserved "
               f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB)", flush=True)
-    if args.replay_buckets:  # each bucket's graph launched once before any request
-        t = time.perf_counter()
-        buckets = enc._graphed.buckets.buckets
-        for b in buckets.values():
-            b.graph.replay()
-        sync()
-        print(f"encoder: {len(buckets)} bucket graphs replayed once in {time.perf_counter() - t:.2f} s", flush=True)
 
     def steps(blob: bytes):
         pre_ms, out = timed(lambda: pre([blob]))
