@@ -153,7 +153,7 @@ class BucketedGraphs:
                     budget_s: float = float("inf")) -> int:
         """Captures the buckets not captured yet in capture_order, until `budget_s` seconds have gone (the
         sizes left run in the next larger captured bucket); returns how many."""
-        from backends.encoder.moonvit3d import Rope
+        from backends.encoder.moonvit3d import Kernels
 
         t0, done = time.monotonic(), 0
         model, dev = self.model, self.model.device
@@ -173,9 +173,9 @@ class BucketedGraphs:
             tower = model.vision_tower
 
             def run():
-                rope = Rope(meta.rope, dev, model.dtype)
+                kernels = Kernels(meta.rope, dev, model.dtype)
                 x = tower.patch_embed.project(self.pixels[:size]) + self.pos[:size]
-                self.out[:size].copy_(tower.layers(x, meta, rope, self.backend))
+                self.out[:size].copy_(tower.layers(x, meta, kernels, self.backend))
 
             graph = torch.cuda.CUDAGraph()
             try:

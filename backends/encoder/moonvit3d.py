@@ -23,6 +23,7 @@ from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.cache import TensorCache
 from backends.encoder.metadata import ForwardMetadata, build_metadata, check_pixels
 from backends.encoder.pos_resize import resize_table
+from backends.kernels import add_norm
 from backends.kernels import rope as fused_rope
 
 
@@ -33,24 +34,37 @@ def sincos_time_table(dim: int, frames: int) -> torch.Tensor:
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
-class Rope:
-    """The 2-D RoPE of one forward: the in-place Triton kernel for bf16/fp16 on CUDA (its table is
-    prepared once here and reused by every layer), the portable complex multiply otherwise."""
+class Kernels:
+    """One forward's kernels: fused ones for bf16/fp16 on CUDA (RoPE in place on the QKV projection; the
+    residual add and the next LayerNorm in one pass; fc0's bias + GELU(tanh) in cuBLASLt's GEMM epilogue),
+    the portable torch reference otherwise (`fused=False` asks for the reference anywhere). The RoPE table
+    is prepared once here and reused by every layer. docs/encoder.md#fused-passes says what each saves."""
 
     def __init__(self, freqs: torch.Tensor, device: torch.device, dtype: torch.dtype, fused: bool | None = None):
         if fused is None:
             fused = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fused_rope.triton is not None
         self.freqs = freqs
+        self.fused = fused
         self.prepared = fused_rope.prepare_rope(freqs) if fused else None
 
-    @property
-    def fused(self) -> bool:
-        return self.prepared is not None
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prepared is not None:
             return fused_rope.apply_rope_inplace(q, k, self.prepared)
         return fused_rope.apply_rope_portable(q, k, self.freqs)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta))."""
+        if self.fused and x.is_cuda and add_norm.fusable(x, delta):
+            return add_norm.add_layernorm(x, delta, norm.weight, norm.bias, norm.eps)
+        s = x + delta
+        return s, norm(s)
+
+    def linear_gelu(self, fc: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(fc(x)); fused, the bias and GELU run in the GEMM's epilogue (torch's
+        `_addmm_activation`, whose CUDA path applies the tanh form, as cuBLASLt's GELU_BIAS epilogue does)."""
+        if self.fused and x.dim() == 2 and x.is_cuda:
+            return torch._addmm_activation(fc.bias, x, fc.weight.t(), use_gelu=True)
+        return F.gelu(fc(x), approximate="tanh")
 
 
 class PosEmbDivided(nn.Module):
@@ -113,11 +127,14 @@ class MLP(nn.Module):
         self.fc0 = nn.Linear(dim, hidden)
         self.fc1 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        return self.fc1(kernels.linear_gelu(self.fc0, x))
 
 
 class EncoderBlock(nn.Module):
+    """x += wo(Attn(RoPE(wqkv(norm0 x)))); x += mlp(norm1 x). The residual adds and the norms that follow
+    them are run by MoonViT3d.layers, one fused pass each, across block boundaries."""
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         d = cfg.hidden_size
@@ -128,13 +145,13 @@ class EncoderBlock(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.mlp = MLP(d, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
-        L = x.shape[0]
-        qkv = self.wqkv(self.norm0(x))  # (L, 3D)
+    def attend(self, h: torch.Tensor, meta: ForwardMetadata, kernels: Kernels, attn_backend: str) -> torch.Tensor:
+        """h = norm0(x) -> what attention adds to x."""
+        L = h.shape[0]
+        qkv = self.wqkv(h)  # (L, 3D)
         q, k, v = qkv.view(L, 3, self.num_heads, self.head_dim).unbind(1)  # [q | k | v], head-major views
-        q, k = rope(q, k)  # the fused kernel rotates the views in place inside qkv
-        x = x + self.wo(varlen_attention(q, k, v, meta, attn_backend).reshape(L, -1))
-        return x + self.mlp(self.norm1(x))
+        q, k = kernels.rope(q, k)  # the fused kernel rotates the views in place inside qkv
+        return self.wo(varlen_attention(q, k, v, meta, attn_backend).reshape(L, -1))
 
 
 class Encoder(nn.Module):
@@ -151,19 +168,28 @@ class MoonViT3d(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = Encoder(cfg)
 
-    def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, rope: Rope,
+    def forward(self, pixels: torch.Tensor, meta: ForwardMetadata, kernels: Kernels,
                 attn_backend: str | None = None) -> torch.Tensor:
         """pixels: (L, 3, p, p) -> (L, D) after the final layer norm."""
         backend = attn_backend or pick_backend(pixels.device, pixels.dtype, meta)
-        return self.layers(self.patch_embed(pixels, meta.grids), meta, rope, backend)
+        return self.layers(self.patch_embed(pixels, meta.grids), meta, kernels, backend)
 
-    def layers(self, x: torch.Tensor, meta: ForwardMetadata, rope: Rope, attn_backend: str) -> torch.Tensor:
+    def layers(self, x: torch.Tensor, meta: ForwardMetadata, kernels: Kernels, attn_backend: str) -> torch.Tensor:
         """The blocks and the final layer norm over embedded patches (L, D). Reads of `meta` are its
         device tensors and host ints only (cu_seqlens, max_seqlen; seq_lens for per-media backends):
-        what a CUDA graph over padded buckets feeds in (backends/encoder/graphs.py)."""
-        for block in self.encoder.blocks:
-            x = block(x, meta, rope, attn_backend)
-        return self.encoder.final_layernorm(x)
+        what a CUDA graph over padded buckets feeds in (backends/encoder/graphs.py).
+
+        Each residual add runs with the norm that reads its sum (norm1, the next block's norm0, the final
+        norm): h is always the normed stream a block's next step reads."""
+        blocks = self.encoder.blocks
+        if not len(blocks):
+            return self.encoder.final_layernorm(x)
+        following = [b.norm0 for b in list(blocks)[1:]] + [self.encoder.final_layernorm]
+        h = blocks[0].norm0(x)
+        for block, norm in zip(blocks, following):
+            x, h = kernels.add_norm(x, block.attend(h, meta, kernels, attn_backend), block.norm1)
+            x, h = kernels.add_norm(x, block.mlp(h, kernels), norm)
+        return h
 
 
 def tpool_patch_merge(x: torch.Tensor, meta: ForwardMetadata, kernel: tuple[int, int]) -> torch.Tensor:
@@ -213,16 +239,16 @@ class KimiVisionModel(nn.Module):
         return build_metadata(self.cfg, grid_thws, self.device)
 
     @torch.inference_mode()
-    def forward(self, pixel_values: torch.Tensor, grid_thws, *, fused_rope: bool | None = None,
+    def forward(self, pixel_values: torch.Tensor, grid_thws, *, fused: bool | None = None,
                 attn_backend: str | None = None) -> torch.Tensor:
         """pixel_values: (sum t*h*w, 3, p, p); grid_thws: host (M, 3). Returns (sum tokens, text_hidden)
-        in media order, in the model's dtype. `fused_rope`/`attn_backend` None = fastest available."""
+        in media order, in the model's dtype. `fused`/`attn_backend` None = fastest available."""
         meta = grid_thws if isinstance(grid_thws, ForwardMetadata) else self.metadata(grid_thws)
         check_pixels(self.cfg, tuple(pixel_values.shape), meta.grids)
         if not meta.grids:
             return pixel_values.new_empty((0, self.cfg.text_hidden_size), dtype=self.dtype)
-        rope = Rope(meta.rope, self.device, self.dtype, fused_rope)
-        x = self.vision_tower(pixel_values.to(self.dtype), meta, rope, attn_backend)
+        kernels = Kernels(meta.rope, self.device, self.dtype, fused)
+        x = self.vision_tower(pixel_values.to(self.dtype), meta, kernels, attn_backend)
         return self.merge_and_project(x, meta)
 
     def merge_and_project(self, x: torch.Tensor, meta: ForwardMetadata) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from backends.config import EncoderConfig
 from backends.encoder.graphs import GraphedEncoder
-from backends.encoder.moonvit3d import Rope
+from backends.encoder.moonvit3d import Kernels
 from backends.checkpoint.seeded import seeded_model
 
 DEV = "cuda"
@@ -194,8 +194,8 @@ def test_a_tiny_media_gets_the_rows_it_has_in_a_bucket_sized_batch(model):
     with torch.inference_mode():
         grids = TINY + filler
         meta = model.metadata(grids)
-        rope = Rope(meta.rope, model.device, model.dtype)
-        tower = model.vision_tower(torch.cat([x, pad]), meta, rope, attn_backend=backend)
+        kernels = Kernels(meta.rope, model.device, model.dtype)
+        tower = model.vision_tower(torch.cat([x, pad]), meta, kernels, attn_backend=backend)
         n = x.shape[0]
         host = type(meta)(grids=TINY, seq_lens=[n], max_seqlen=n, cu_seqlens=meta.cu_seqlens, rope=meta.rope)
         want = model.merge_and_project(tower[:n], host)

@@ -44,12 +44,12 @@ def setup():
 
 
 @pytest.mark.parametrize("backend", ["fa4", "cudnn_loop", "varlen", "sdpa_loop"])
-@pytest.mark.parametrize("fused_rope", [True, False])
-def test_bf16_error_within_the_oracles_own(setup, backend, fused_rope):
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_error_within_the_oracles_own(setup, backend, fused):
     ours, pixels, grids, ref, hf_err = setup
     if backend not in available_backends(pixels.device, pixels.dtype):
         pytest.skip(f"{backend} not installed")
-    out = ours(pixels, grids, fused_rope=fused_rope, attn_backend=backend).float()
+    out = ours(pixels, grids, fused=fused, attn_backend=backend).float()
     err = rel_err(out, ref)
     assert err <= 1.5 * hf_err + 1e-3, f"ours {err:.3e}, transformers in bf16 {hf_err:.3e}"
 

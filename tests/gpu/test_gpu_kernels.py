@@ -37,6 +37,52 @@ def test_fused_rope_is_bit_identical_to_portable(tokens, head_dim, dtype):
     assert torch.equal(qkv[:, 2], v)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 37, 5476, 16900])
+def test_fused_add_layernorm_against_the_two_torch_ops(rows, dtype):
+    """The sum is torch's add exactly; the norm within one ulp of torch's LayerNorm (only the order of
+    the fp32 sums differs)."""
+    from backends.kernels.add_norm import add_layernorm, add_layernorm_reference
+
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 1152, device=DEV) * 4).to(dtype)
+    delta = torch.randn(rows, 1152, device=DEV).to(dtype)
+    w, b = torch.randn(1152, device=DEV).to(dtype), torch.randn(1152, device=DEV).to(dtype)
+    s, y = add_layernorm(x, delta, w, b, 1e-5)
+    ref_s, ref_y = add_layernorm_reference(x, delta, w, b, 1e-5)
+    assert torch.equal(s, ref_s)
+    ulp = torch.finfo(dtype).eps * ref_y.float().abs().clamp_min(1.0)
+    diff = (y.float() - ref_y.float()).abs()
+    assert (diff <= ulp).all(), f"{(diff / ulp).max():.2f} ulp"
+    assert (diff == 0).float().mean() > 0.9  # mostly the very same bits
+
+
+def test_fc0_gelu_epilogue_is_the_tanh_form():
+    """torch._addmm_activation(use_gelu=True), the encoder's fused fc0 + bias + GELU: in fp32 it equals
+    the tanh GELU of the linear to fp32 accuracy and is measurably not the erf GELU; in bf16 it is within
+    one ulp of the unfused bf16 path (which rounds the linear's output before the GELU)."""
+    torch.manual_seed(0)
+    x = torch.randn(5476, 1152, device=DEV)
+    w, b = torch.randn(4304, 1152, device=DEV) / 34, torch.randn(4304, device=DEV)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        fused = torch._addmm_activation(b, x, w.t(), use_gelu=True)
+        lin = torch.nn.functional.linear(x, w, b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    tanh, erf = torch.nn.functional.gelu(lin, approximate="tanh"), torch.nn.functional.gelu(lin)
+    torch.testing.assert_close(fused, tanh, rtol=1e-4, atol=1e-4)
+    assert (fused - tanh).abs().max() < (erf - tanh).abs().max() / 4
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    got = torch._addmm_activation(bb, xb, wb.t(), use_gelu=True).float()
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(xb, wb, bb), approximate="tanh").float()
+    exact = torch.nn.functional.gelu(torch.nn.functional.linear(xb.float(), wb.float(), bb.float()), approximate="tanh")
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-2)
+    assert ((got - exact).abs() <= 2 * ulp + 1e-3).float().mean() > 0.999
+    assert (got - ref).abs().max() <= (ref - exact).abs().max() * 2 + 1e-2
+
+
 @pytest.mark.parametrize("size", [(4032, 3024), (1024, 1024), (640, 480), (33, 1), (1500, 40)])
 def test_gpu_preprocessing_equals_pillow_path(size):
     blob = encode(photo_like(*size, seed=size[0]), "JPEG", quality=90)

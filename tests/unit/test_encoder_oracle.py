@@ -104,7 +104,7 @@ def test_oracle_is_sensitive(hf_model, inputs, reference, tmp_path, monkeypatch)
     model, _ = load_vision_model(tmp_path)
     pixels, grids = inputs
     with monkeypatch.context() as m:
-        m.setattr(moonvit3d.Rope, "__call__", lambda self, q, k: (q, k))
+        m.setattr(moonvit3d.Kernels, "rope", lambda self, q, k: (q, k))
         no_rope = model(pixels, grids.tolist())
     assert rel_err(no_rope, reference) > 1e3 * TOL
     model.vision_tower.patch_embed.pos_emb.time_weight.zero_()

@@ -168,6 +168,26 @@ for blob, k, rgb in zip(blobs, order, rgbs):
             else ycc_to_rgb_reference(y, chroma[0], chroma[1], *info.factors))
     assert torch.equal(rgb, want), k
 assert dec.stats == Counter()  # counted only once their checks are settled
+
+# Residual add + LayerNorm in one pass against the two torch ops: the sum equal, the norm within one ulp
+# (bf16 truncated by the interpreter; the fp32 sums' order differs from torch's Welford loop).
+from backends.kernels.add_norm import add_layernorm, add_layernorm_reference
+for rows, width in ((1, 1152), (37, 1152), (5, 100)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, d = (torch.randn(rows, width) * 3).to(dtype), torch.randn(rows, width).to(dtype)
+        w, b = torch.randn(width).to(dtype), torch.randn(width).to(dtype)
+        s, y = add_layernorm(x, d, w, b, 1e-6)
+        ref_s, ref_y = add_layernorm_reference(x, d, w, b, 1e-6)
+        eps = torch.finfo(dtype).eps
+        if dtype == torch.bfloat16:  # a truncated sum moves the whole row's norm: judge y against LN(s)
+            torch.testing.assert_close(s, ref_s, rtol=eps, atol=1e-30)
+            ref_y = torch.nn.functional.layer_norm(s, (width,), w, b, 1e-6)
+        else:
+            assert torch.equal(s, ref_s), (rows, width, dtype)
+        scale = ref_y.float().abs().clamp_min(1.0)  # one ulp of the value, or of 1 near zero
+        tol = 2 * eps if dtype != torch.float32 else 1e-5  # fp32: the sums' order shows in the last bits
+        assert ((y.float() - ref_y.float()).abs() <= tol * scale).all(), (rows, width, dtype)
+        assert not torch.equal(y, torch.zeros_like(y))
 print("ok")
 """
 
