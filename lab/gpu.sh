@@ -85,7 +85,8 @@ for stage in "$@"; do
       # The summary line, with what ran and on which tree, as the page's gpu-tests section (a run of
       # GPU_TESTS alone as gpu-tests-selected, so that it never stands for the whole suite).
       { echo "python3 -m pytest -q $suite  (bash lab/gpu.sh ... tests; tree $(git rev-parse --short HEAD 2> /dev/null || echo unknown))"
-        echo; sed -n 3p "$out/gpu.txt"; sed -n 4p "$out/gpu.txt"; echo
+        echo; sed -n 3p "$out/gpu.txt"  # the backends as the tests saw them (a fa4b stage may precede)
+        python3 -c "import torch; from backends.encoder.attention import available_backends; print('attention backends:', available_backends(torch.device('cuda'), torch.bfloat16))"; echo
         grep -E "^(FAILED|ERROR) " "$out/gpu_tests.log" | head -20
         grep -E "[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1
       } | python3 -m lab.bench.results_page section gpu "gpu-tests${GPU_TESTS:+-selected}" > /dev/null ;;

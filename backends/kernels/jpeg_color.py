@@ -89,9 +89,12 @@ if triton is not None:
         """The triangle filter's weighted sum before rounding: 3 x the nearer sample + the farther."""
         return 3 * tl.load(near_ptr, mask=mask, other=0).to(tl.int32) + tl.load(far_ptr, mask=mask, other=0).to(tl.int32)
 
-    # Sizes and pitches are not specialized on (divisible by 16, equal to 1): a new image size must not
-    # compile a variant on a request's path.
-    @triton.jit(do_not_specialize=["H", "W", "DH", "DW", "Y_PITCH", "C_PITCH", "Y_IMAGE", "C_IMAGE"])
+    # Sizes and pitches are not specialized on (divisible by 16, equal to 1), nor the planes' addresses on
+    # 16-byte alignment: an image's planes lie back to back at its sizes' offsets, so an odd width puts
+    # Cb and Cr anywhere. Either would compile a variant on a request's path (about 200 ms, seen for a
+    # 619 x 968 JPEG on an H100).
+    @triton.jit(do_not_specialize=["H", "W", "DH", "DW", "Y_PITCH", "C_PITCH", "Y_IMAGE", "C_IMAGE"],
+                do_not_specialize_on_alignment=["y_ptr", "cb_ptr", "cr_ptr"])
     def _ycc_rgb_kernel(y_ptr, cb_ptr, cr_ptr, out_ptr, H, W, DH, DW, Y_PITCH, C_PITCH, Y_IMAGE, C_IMAGE,
                         FX: tl.constexpr, FY: tl.constexpr, FANCY_H: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)

@@ -53,7 +53,9 @@ def pad_normalize_patchify(image: torch.Tensor, table: torch.Tensor, patch: int,
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["H", "W", "GH", "GW"])  # a new image size must not compile a variant
+    # A new image size must not compile a variant: sizes are not specialized on, nor the frames' address
+    # (a frame of a batch is a view at its size's offset) on 16-byte alignment.
+    @triton.jit(do_not_specialize=["H", "W", "GH", "GW"], do_not_specialize_on_alignment=["img_ptr"])
     def _patchify_kernel(img_ptr, table_ptr, out_ptr, H, W, GH, GW,
                          P: tl.constexpr, BLOCK: tl.constexpr):
         patch = tl.program_id(0).to(tl.int64)  # (t, gy, gx) flattened, t-major

@@ -83,6 +83,35 @@ def test_fc0_gelu_epilogue_is_the_tanh_form():
     assert (got - ref).abs().max() <= (ref - exact).abs().max() * 2 + 1e-2
 
 
+def _variants(kernel) -> int:
+    """Compiled variants of a Triton kernel on the current device."""
+    caches = kernel.device_caches.get(torch.cuda.current_device())
+    return len(caches[0]) if caches else 0
+
+
+def test_preprocessing_kernels_compile_once_for_any_size_and_plane_offset():
+    """Planes at offsets that are and are not 16-byte aligned, odd and even sizes (a 619 x 968 JPEG's
+    first request once spent 210 ms compiling a variant): one compiled variant per kernel."""
+    from backends.kernels import jpeg_color, patchify
+
+    buf = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, device=DEV)
+    table = torch.from_numpy(normalization_table(MediaConfig())).to(DEV)
+    counts = []
+    for (h, w), off in [((448, 448), 0), ((968, 619), 0), ((37, 53), 5), ((100, 101), 8), ((600, 800), 3)]:
+        dh, dw = -(-h // 2), -(-w // 2)
+        y = buf[off:off + h * w].view(1, h, w)
+        cb = buf[off + h * w:off + h * w + dh * dw].view(1, dh, dw)
+        cr = buf[off + h * w + dh * dw:off + h * w + 2 * dh * dw].view(1, dh, dw)
+        rgb = jpeg_color.ycc_to_rgb_batch(y, cb, cr, 2, 2)
+        assert torch.equal(rgb[0], jpeg_color.ycc_to_rgb_reference(y[0], cb[0], cr[0], 2, 2))
+        frame = buf[off:off + h * w * 3].view(h, w, 3)
+        ph, pw = -(-h // 14) * 14, -(-w // 14) * 14
+        got = patchify.normalize_patchify(frame, table, 14, ph, pw, torch.bfloat16)
+        assert torch.equal(got, patchify.pad_normalize_patchify(frame, table, 14, ph, pw, torch.bfloat16))
+        counts.append((_variants(jpeg_color._ycc_rgb_kernel), _variants(patchify._patchify_kernel)))
+    assert counts == [counts[0]] * len(counts), counts
+
+
 @pytest.mark.parametrize("size", [(4032, 3024), (1024, 1024), (640, 480), (33, 1), (1500, 40)])
 def test_gpu_preprocessing_equals_pillow_path(size):
     blob = encode(photo_like(*size, seed=size[0]), "JPEG", quality=90)
