@@ -1,6 +1,8 @@
 """The ensemble on a real tritonserver, over gRPC and HTTP, through our client library."""
 
+import re
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +17,10 @@ from backends.preprocess import Preprocessor
 from backends.preprocess.resize_rule import navit_resize
 from backends.checkpoint.seeded import seeded_model
 from clients.kimi_client import MEDIA_PAD, KimiVisionClient, chat_prompt_ids
-from clients.samples import encode, photo_like, text_card
+from clients.samples import encode, photo_like, sample_images, text_card
 from server_state import counts, eventually, inference_count, settled
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SIZES = [(640, 480), (300, 200), (1100, 90)]
 
@@ -310,7 +314,7 @@ def test_cli_prints_the_answer(server, tmp_path, capsys, protocol, shm):
     from clients import infer
 
     paths = []
-    for i, blob in enumerate(images()[:2]):
+    for i, blob in enumerate(sample_images()):  # make run's two images
         paths += ["--image", str(tmp_path / f"img{i}")]
         (tmp_path / f"img{i}").write_bytes(blob)
     url = server.grpc_url if protocol == "grpc" else server.http_url
@@ -318,7 +322,10 @@ def test_cli_prints_the_answer(server, tmp_path, capsys, protocol, shm):
     out = capsys.readouterr().out
     assert "media 0 (image): grid_thw (1, 36, 46) -> 414 tokens" in out
     assert "media 1 (image): grid_thw (1, 16, 22) -> 88 tokens" in out
-    assert "image embeds: shape (502, 256) float32" in out and "sha256" in out
+    # The same two images as `make run`: the checksum README.md shows (and `make image-test` checks the
+    # container against) must be this server's answer, so a change of the numbers fails here first.
+    readme = re.search(r"^image embeds: .* sha256 ([0-9a-f]+)$", (ROOT / "README.md").read_text(), re.M).group(1)
+    assert "image embeds: shape (502, 256) float32" in out and f"sha256 {readme}" in out, out
     assert infer.main(["--ids", "1,2", *paths, "--url", server.grpc_url]) == 1  # 1:1 error, no traceback
     assert "request failed:" in capsys.readouterr().err
 
