@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import io
+import itertools
+import secrets
 import time
 
 import numpy as np
@@ -25,16 +27,21 @@ import contract
 from backends.deploy.repository import Deployment
 
 ROUNDS = 2
+# Image numbers: never the same image twice in this process (a reload's warm-up after the start-up's
+# included), and from a random start, so a server's cache never holds them from an earlier launch.
+_NUMBERS = itertools.count(secrets.randbits(20))
 
 
 def _image(n: int) -> bytes:
     """The n-th 448x448 JPEG (256 tokens): small, through the GPU decode and the encoder like any photo.
     Each request sends another one: a repeated image would be answered by the embedding cache, and would
-    hand the encoder no pixels on the GPU. (They stay in the cache like any image, 3.7 MB each.)"""
+    hand the encoder no pixels on the GPU. (They stay in the cache like any image, 3.7 MB each.) n's three
+    low bytes shift the three channels: 2^24 distinct images."""
     from PIL import Image
 
     y, x = np.mgrid[0:448, 0:448]
-    rgb = np.stack([(x * 3 + y * 5 + n) % 256, (x * 7 + 40) % 256, (y * 11 + x) % 256], -1).astype(np.uint8)
+    rgb = np.stack([(x * 3 + y * 5 + n) % 256, (x * 7 + 40 + (n >> 8)) % 256, (y * 11 + x + (n >> 16)) % 256],
+                   -1).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(rgb).save(buf, "JPEG", quality=90)
     return buf.getvalue()
@@ -53,8 +60,9 @@ def _inputs(grpcclient, image: bytes, batched: bool) -> list:
     return out
 
 
-def warm_up(grpc_url: str, dep: Deployment, timeout_s: float = 120.0) -> str:
-    """Sends the requests; returns a line for the log (what was sent, how long it took, any failure)."""
+def warm_up(grpc_url: str, dep: Deployment, timeout_s: float = 60.0, should_stop=None) -> str:
+    """Sends the requests; returns a line for the log (what was sent, how long it took, any failure).
+    `should_stop()` is asked before each round: a stop waits for at most one round's requests."""
     import tritonclient.grpc as grpcclient
 
     if dep.device != "gpu":
@@ -62,11 +70,15 @@ def warm_up(grpc_url: str, dep: Deployment, timeout_s: float = 120.0) -> str:
     per_round = dep.gpus * max(dep.preprocess_instances, dep.encoder_instances)
     t0 = time.monotonic()
     failures: list[str] = []
+    sent = 0
     with grpcclient.InferenceServerClient(grpc_url) as client, \
             concurrent.futures.ThreadPoolExecutor(per_round) as pool:
-        for e, (ensemble, batched) in enumerate(((contract.ENSEMBLE, False), (contract.BATCHED_ENSEMBLE, True))):
-            for r in range(ROUNDS):
-                images = [_image((e * ROUNDS + r) * per_round + i) for i in range(per_round)]
+        for ensemble, batched in ((contract.ENSEMBLE, False), (contract.BATCHED_ENSEMBLE, True)):
+            for _ in range(ROUNDS):
+                if should_stop is not None and should_stop():
+                    return f"stopped after {sent} requests of our own (the server is stopping)"
+                images = [_image(next(_NUMBERS)) for _ in range(per_round)]
+                sent += len(images)
 
                 def one(image):
                     client.infer(ensemble, _inputs(grpcclient, image, batched),
@@ -79,7 +91,6 @@ def warm_up(grpc_url: str, dep: Deployment, timeout_s: float = 120.0) -> str:
                         done.result()
                     except Exception as exc:  # noqa: BLE001 - ours, not a user's: say so and serve on
                         failures.append(f"{ensemble}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-    sent = 2 * ROUNDS * per_round
     line = f"sent {sent} requests of our own through both ensembles in {time.monotonic() - t0:.2f} s"
     if failures:
         line += f"; {len(failures)} failed (first: {failures[0]})"

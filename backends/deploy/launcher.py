@@ -361,14 +361,21 @@ class TritonServer:
     def start(self, timeout: float = 180.0, stream_log: bool = False, on_poll=None, should_stop=None) -> "TritonServer":
         self.launch(stream_log)
         self.wait_ready(timeout, on_poll, should_stop)
-        self.send_first_requests()
+        self.send_first_requests(should_stop)
         return self
 
-    def send_first_requests(self) -> None:
-        if self.first_requests is not None:
-            line = self.first_requests(self)
-            if line:
-                log.info("first requests: %s", line)
+    def send_first_requests(self, should_stop=None) -> None:
+        """The server's own first requests (first_requests.py). They are ours: whatever goes wrong is
+        logged in one line and the server serves on."""
+        if self.first_requests is None:
+            return
+        try:
+            line = self.first_requests(self, should_stop)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("first requests of our own failed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            return
+        if line:
+            log.info("first requests: %s", line)
 
     def wait_ready(self, timeout: float, on_poll=None, should_stop=None) -> None:
         """Poll readiness; `on_poll()` runs at each poll and once more when ready (the supervisor
@@ -499,7 +506,8 @@ def deployment_server(dep: Deployment, name: str, *, repository: Path | None = N
     kwargs.setdefault("http_max_input_bytes", dep.http_max_input_bytes())
     kwargs.setdefault("log_path", BUILD / f"tritonserver-{name}.log")
     if dep.device == "gpu":  # the stubs' first GPU hand-offs before anyone is told the server is ready
-        kwargs.setdefault("first_requests", lambda server: warm_up(server.grpc_url, dep))
+        kwargs.setdefault("first_requests", lambda server, should_stop: warm_up(server.grpc_url, dep,
+                                                                               should_stop=should_stop))
     private = None  # the supervised server's own metrics port, distinct from the public ones
     if ports is None:
         http, grpc, metrics, private = free_ports(4)

@@ -473,7 +473,7 @@ class Supervisor:
             for model in models:
                 self.relay.reloads[model] += 1
         if hasattr(self.server, "send_first_requests"):
-            self.server.send_first_requests()  # the new stubs' first GPU hand-offs (first_requests.py)
+            self.server.send_first_requests(self._stop.is_set)  # the new stubs' first GPU hand-offs (first_requests.py)
         log.info("%s reloaded in %.1f s", ", ".join(models), time.monotonic() - now)
         return True
 

@@ -41,11 +41,12 @@ class Kernels:
     is prepared once here and reused by every layer. docs/encoder.md#fused-passes says what each saves."""
 
     def __init__(self, freqs: torch.Tensor, device: torch.device, dtype: torch.dtype, fused: bool | None = None):
-        if fused is None:
-            fused = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fused_rope.triton is not None
+        # The fused kernels apply to bf16/fp16 on CUDA; elsewhere, fused=None and fused=True alike run the
+        # reference (fused=True means "wherever they apply", not "or fail").
+        applies = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and fused_rope.triton is not None
         self.freqs = freqs
-        self.fused = fused
-        self.prepared = fused_rope.prepare_rope(freqs) if fused else None
+        self.fused = applies and fused is not False
+        self.prepared = fused_rope.prepare_rope(freqs) if self.fused else None
 
     def rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.prepared is not None:
@@ -54,7 +55,7 @@ class Kernels:
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta))."""
-        if self.fused and x.is_cuda and add_norm.fusable(x, delta):
+        if self.fused and x.is_cuda and add_norm.fusable(x, delta, norm.weight, norm.bias):
             return add_norm.add_layernorm(x, delta, norm.weight, norm.bias, norm.eps)
         s = x + delta
         return s, norm(s)
@@ -62,7 +63,7 @@ class Kernels:
     def linear_gelu(self, fc: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """gelu_tanh(fc(x)); fused, the bias and GELU run in the GEMM's epilogue (torch's
         `_addmm_activation`, whose CUDA path applies the tanh form, as cuBLASLt's GELU_BIAS epilogue does)."""
-        if self.fused and x.dim() == 2 and x.is_cuda:
+        if self.fused and x.dim() == 2 and x.is_cuda and fc.bias is not None:
             return torch._addmm_activation(fc.bias, x, fc.weight.t(), use_gelu=True)
         return F.gelu(fc(x), approximate="tanh")
 

@@ -20,9 +20,6 @@ about a third of the values are one step from the reference's, well inside the e
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import torch
 
 A = -0.75  # torch's bicubic constant
@@ -36,20 +33,23 @@ def _keys_far(x):  # 1 < |x| < 2
     return ((A * x - 5 * A) * x + 8 * A) * x - 4 * A
 
 
-@functools.lru_cache(maxsize=512)
-def cubic_weights(n_in: int, n_out: int) -> np.ndarray:
-    """(n_out, n_in) float64: row i holds the weights output i gives each input (align_corners=False)."""
+def cubic_weights(n_in: int, n_out: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(n_out, n_in) float64 on `device`: row i holds the weights output i gives each input
+    (align_corners=False). Made by device kernels only, no host-to-device copy, so a table can be
+    resized inside a CUDA graph's capture as well as outside."""
     if n_in < 1 or n_out < 1:
         raise ValueError(f"sizes must be positive, got {n_in} -> {n_out}")
-    i = np.arange(n_out, dtype=np.float64)
-    src = (i + 0.5) * (n_in / n_out) - 0.5
-    base = np.floor(src)
+    src = (torch.arange(n_out, dtype=torch.float64, device=device) + 0.5) * (n_in / n_out) - 0.5
+    base = torch.floor(src)
     t = src - base
-    taps = np.stack([_keys_far(t + 1), _keys_near(t), _keys_near(1 - t), _keys_far(2 - t)], axis=1)
-    w = np.zeros((n_out, n_in), dtype=np.float64)
+    taps = torch.stack([_keys_far(t + 1), _keys_near(t), _keys_near(1 - t), _keys_far(2 - t)], dim=1)
+    cols = (base.long()[:, None] - 1 + torch.arange(4, device=device)).clamp(0, n_in - 1)  # (n_out, 4)
+    # Taps clamped onto one edge input add up there, in tap order: a fixed order of float64 sums (a
+    # scatter_add would add them in whatever order its atomics land).
+    inputs = torch.arange(n_in, device=device)
+    w = torch.zeros((n_out, n_in), dtype=torch.float64, device=device)
     for k in range(4):
-        np.add.at(w, (np.arange(n_out), np.clip(base.astype(np.int64) - 1 + k, 0, n_in - 1)), taps[:, k])
-    w.setflags(write=False)
+        w += (cols[:, k, None] == inputs) * taps[:, k, None]
     return w
 
 
@@ -58,8 +58,6 @@ def resize_table(table: torch.Tensor, h: int, w: int) -> torch.Tensor:
     `F.interpolate(table.permute(2, 0, 1)[None], (h, w), mode="bicubic", align_corners=False)` laid out
     back as (h, w, D)."""
     h0, w0, d = table.shape
-    dev = table.device
-    wy = torch.tensor(cubic_weights(h0, h), device=dev)
-    wx = torch.tensor(cubic_weights(w0, w), device=dev)
+    wy, wx = cubic_weights(h0, h, table.device), cubic_weights(w0, w, table.device)
     rows = (wy @ table.to(torch.float64).reshape(h0, w0 * d)).reshape(h, w0, d)  # (h, W0, D)
     return torch.matmul(wx, rows).to(table.dtype)  # (w, W0) @ (h, W0, D) -> (h, w, D)

@@ -6,9 +6,10 @@ torch's LayerNorm kernel runs well below the copy bandwidth at this width. The f
 delta once and writes s and y once (four trips), one program per row.
 
 Rounding follows the unfused torch path: s is rounded to the input dtype once (as torch's add does), and
-the norm is taken of that rounded s in fp32, scaled and shifted in fp32, rounded once. Only the order of
-the fp32 sums for mean and variance differs from torch's Welford loop, so y agrees with the reference to
-within one ulp of the input dtype and s is equal (tests/gpu/test_gpu_kernels.py,
+the norm is taken of that rounded s in fp32, scaled and shifted in fp32, rounded once. The mean and
+variance are fp32 sums over the row (two passes: the mean, then the centred squares) where torch runs a
+Welford loop: the fp32 statistics differ in their last bits, so s is equal to torch's and y is within
+one ulp of the input dtype of torch's (for |y| < 1, within the ulp of 1) (tests/gpu/test_gpu_kernels.py,
 tests/unit/test_triton_kernels_interpreted.py). A row's result depends on that row alone: packing media
 together does not change their rows.
 """
@@ -53,21 +54,29 @@ if triton is not None:
         tl.store(y_ptr + row + cols, (centred * rstd * w + b).to(x.dtype), mask=mask)
 
 
-def fusable(x: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether the fused kernel takes these: triton present, same shape and dtype, contiguous rows."""
-    return (triton is not None and x.dim() == 2 and x.shape == delta.shape and x.dtype == delta.dtype
-            and x.is_contiguous() and delta.is_contiguous() and x.shape[1] <= 16384)
+def fusable(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Whether the fused kernel takes these: triton present; x and delta (L, D) of one shape and dtype,
+    contiguous; weight and bias (D,) contiguous on their device (a LayerNorm without affine parameters
+    takes the reference)."""
+    if triton is None or x.dim() != 2 or x.shape != delta.shape or x.dtype != delta.dtype or x.shape[1] > 16384:
+        return False
+    if weight is None or bias is None:
+        return False
+    tensors = (x, delta, weight, bias)
+    return (all(t.is_contiguous() and t.device == x.device for t in tensors)
+            and weight.shape == bias.shape == (x.shape[1],))
 
 
 def add_layernorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                   eps: float, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, delta: (L, D) contiguous; weight, bias: (D,). Returns new tensors (x + delta, LayerNorm(x + delta))."""
-    if not fusable(x, delta):
-        raise ValueError(f"the fused add + LayerNorm takes two contiguous (L, D) tensors of one dtype, got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(delta.shape)} {delta.dtype}")
+    """x, delta: (L, D) contiguous; weight, bias: (D,) contiguous. Returns new tensors
+    (x + delta, LayerNorm(x + delta))."""
+    if not fusable(x, delta, weight, bias):
+        raise ValueError(f"the fused add + LayerNorm takes two contiguous (L, D) tensors of one dtype and contiguous "
+                         f"(D,) parameters on their device, got {tuple(x.shape)} {x.dtype}, {tuple(delta.shape)} "
+                         f"{delta.dtype}, parameters {None if weight is None else tuple(weight.shape)} / "
+                         f"{None if bias is None else tuple(bias.shape)}")
     rows, width = x.shape
-    if weight.shape != (width,) or bias.shape != (width,):
-        raise ValueError(f"LayerNorm parameters of {tuple(weight.shape)} / {tuple(bias.shape)} for rows of {width}")
     s, y = torch.empty_like(x), torch.empty_like(x)
     if rows:
         _add_layernorm_kernel[(rows,)](x, delta, weight, bias, s, y, eps,

@@ -132,13 +132,18 @@ class PreprocessStep:
         t0 = time.perf_counter()
         counted = dict(self.pre.decode_stats)
         requests = warmup_requests(self.cfg.media)
+        failed = []
         for images in requests:
-            self.pre(images)
+            try:  # ours, not a user's: one refused (e.g. under tighter limits) or failing is logged, not fatal
+                self.pre(images)
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         if self.pre.device.type == "cuda":
             torch.cuda.synchronize(self.pre.device)
         self.pre.decode_stats.clear()
         self.pre.decode_stats.update(counted)
-        return f"warmed up with {len(requests)} requests of our own in {time.perf_counter() - t0:.2f} s"
+        line = f"warmed up with {len(requests)} requests of our own in {time.perf_counter() - t0:.2f} s"
+        return line + (f"; {len(failed)} failed (first: {failed[0]})" if failed else "")
 
     def keys(self, images: Sequence[bytes], media_frames=None) -> list[bytes]:
         """Each media's cache key, in order; [] with the cache off."""
@@ -255,14 +260,18 @@ class EncoderStep:
                 lines.append(f"no CUDA graphs captured at start-up ({type(exc).__name__}: {exc}); graphs per grid list")
         t0 = time.perf_counter()
         p = self.model.cfg.patch_size
-        with torch.inference_mode():
-            for grids in WARMUP_GRIDS:
-                patches = sum(t * h * w for t, h, w in grids)
-                x = torch.zeros((patches, 3, p, p), dtype=self.model.dtype, device=self.model.device)
-                self.forward(x, np.asarray(grids, dtype=np.int64))
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        lines.append(f"warmed up with {len(WARMUP_GRIDS)} forwards of our own in {time.perf_counter() - t0:.2f} s")
+        try:  # a warm-up that fails (out of memory, say) is logged; requests still get their own errors
+            with torch.inference_mode():
+                for grids in WARMUP_GRIDS:
+                    patches = sum(t * h * w for t, h, w in grids)
+                    x = torch.zeros((patches, 3, p, p), dtype=self.model.dtype, device=self.model.device)
+                    self.forward(x, np.asarray(grids, dtype=np.int64))
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            lines.append(f"warmed up with {len(WARMUP_GRIDS)} forwards of our own in {time.perf_counter() - t0:.2f} s")
+        except Exception as exc:  # noqa: BLE001
+            log.exception("the encoder's start-up warm-up failed")
+            lines.append(f"warm-up forwards failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
         self._held.update()
         return lines
 

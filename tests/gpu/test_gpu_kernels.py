@@ -59,8 +59,9 @@ def test_fused_add_layernorm_against_the_two_torch_ops(rows, dtype):
 
 def test_fc0_gelu_epilogue_is_the_tanh_form():
     """torch._addmm_activation(use_gelu=True), the encoder's fused fc0 + bias + GELU: in fp32 it equals
-    the tanh GELU of the linear to fp32 accuracy and is measurably not the erf GELU; in bf16 it is within
-    one ulp of the unfused bf16 path (which rounds the linear's output before the GELU)."""
+    the tanh GELU of the linear to fp32 accuracy and is measurably not the erf GELU; in bf16 nearly every
+    value is within two ulps of the exact value, and its largest error is at most twice the unfused bf16
+    path's (which rounds the linear's output before the GELU)."""
     torch.manual_seed(0)
     x = torch.randn(5476, 1152, device=DEV)
     w, b = torch.randn(4304, 1152, device=DEV) / 34, torch.randn(4304, device=DEV)
@@ -83,6 +84,21 @@ def test_fc0_gelu_epilogue_is_the_tanh_form():
     assert (got - ref).abs().max() <= (ref - exact).abs().max() * 2 + 1e-2
 
 
+def test_the_position_table_resizes_inside_a_graph_capture():
+    """Its weights are made by device kernels (no host-to-device copy), so a table made while a CUDA
+    graph captures (a cache miss there) is the same table."""
+    from backends.encoder.pos_resize import resize_table
+
+    table = torch.randn(64, 64, 1152, device=DEV).to(torch.bfloat16)
+    want = resize_table(table, 37, 74)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = resize_table(table, 37, 74)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def _variants(kernel) -> int:
     """Compiled variants of a Triton kernel on the current device."""
     caches = kernel.device_caches.get(torch.cuda.current_device())
@@ -96,6 +112,8 @@ def test_preprocessing_kernels_compile_once_for_any_size_and_plane_offset():
 
     buf = torch.randint(0, 256, (1 << 21,), dtype=torch.uint8, device=DEV)
     table = torch.from_numpy(normalization_table(MediaConfig())).to(DEV)
+    for kernel in (jpeg_color._ycc_rgb_kernel, patchify._patchify_kernel):  # forget what earlier tests compiled
+        kernel.device_caches.clear()
     counts = []
     for (h, w), off in [((448, 448), 0), ((968, 619), 0), ((37, 53), 5), ((100, 101), 8), ((600, 800), 3)]:
         dh, dw = -(-h // 2), -(-w // 2)
@@ -109,7 +127,7 @@ def test_preprocessing_kernels_compile_once_for_any_size_and_plane_offset():
         got = patchify.normalize_patchify(frame, table, 14, ph, pw, torch.bfloat16)
         assert torch.equal(got, patchify.pad_normalize_patchify(frame, table, 14, ph, pw, torch.bfloat16))
         counts.append((_variants(jpeg_color._ycc_rgb_kernel), _variants(patchify._patchify_kernel)))
-    assert counts == [counts[0]] * len(counts), counts
+    assert counts == [(1, 1)] * len(counts), counts
 
 
 @pytest.mark.parametrize("size", [(4032, 3024), (1024, 1024), (640, 480), (33, 1), (1500, 40)])

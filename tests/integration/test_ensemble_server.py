@@ -355,3 +355,5 @@ def test_the_first_requests_a_gpu_server_sends_itself_pass_through_both_ensemble
     of its requests answered (its reason, the stubs' first GPU hand-off, is timed by lab/bench/mixed_sizes.py)."""
     line = warm_up(server.grpc_url, Deployment(device="gpu"))
     assert line.startswith("sent 8 requests") and "failed" not in line, line
+    stopping = warm_up(server.grpc_url, Deployment(device="gpu"), should_stop=lambda: True)
+    assert stopping.startswith("stopped after 0 requests"), stopping

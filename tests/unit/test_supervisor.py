@@ -127,7 +127,7 @@ def test_only_a_gpu_deployment_sends_first_requests_before_it_is_ready(tmp_path,
     from backends.deploy.repository import Deployment
 
     sent = []
-    monkeypatch.setattr(launcher, "warm_up", lambda url, dep: sent.append((url, dep.device)) or "sent")
+    monkeypatch.setattr(launcher, "warm_up", lambda url, dep, should_stop: sent.append((url, dep.device)) or "sent")
     gpu = launcher.deployment_server(Deployment(device="gpu"), "first-gpu", repository=tmp_path / "gpu", supervise=False)
     cpu = launcher.deployment_server(Deployment(device="cpu"), "first-cpu", repository=tmp_path / "cpu", supervise=False)
     assert cpu.first_requests is None
@@ -135,6 +135,34 @@ def test_only_a_gpu_deployment_sends_first_requests_before_it_is_ready(tmp_path,
     monkeypatch.setattr(gpu, "launch", lambda *a: sent.append("launched"))
     gpu.start()
     assert sent == ["launched", "ready", (gpu.grpc_url, "gpu")]
+
+
+def test_first_requests_that_fail_are_logged_and_the_server_serves_on(tmp_path, monkeypatch, caplog):
+    from backends.deploy import launcher
+    from backends.deploy.repository import Deployment
+
+    def broken(url, dep, should_stop):
+        raise ConnectionError("the server went away\nsecond line")
+
+    monkeypatch.setattr(launcher, "warm_up", broken)
+    gpu = launcher.deployment_server(Deployment(device="gpu"), "first-fail", repository=tmp_path, supervise=False)
+    monkeypatch.setattr(gpu, "wait_ready", lambda *a: None)
+    monkeypatch.setattr(gpu, "launch", lambda *a: None)
+    with caplog.at_level("WARNING"):
+        assert gpu.start() is gpu
+    assert "first requests of our own failed: the server went away" in caplog.text
+    assert "second line" not in caplog.text
+
+
+def test_the_first_requests_images_never_repeat():
+    """Each warm-up image is new to the embedding cache: numbers past 256 and 65,536 change the bytes too
+    (a reload's warm-up after the start-up's draws further numbers from the same counter)."""
+    from backends.deploy import first_requests
+
+    n = next(first_requests._NUMBERS)
+    assert next(first_requests._NUMBERS) == n + 1
+    blobs = {first_requests._image(k) for k in (0, 1, 256, 65536, 256 + 65536)}
+    assert len(blobs) == 5
 
 
 def test_serving_is_clear_after_stop_even_when_a_restart_ends_meanwhile(tmp_path):
