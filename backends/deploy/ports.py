@@ -71,12 +71,15 @@ def port_holder(port: int, proc: Path = Path("/proc")) -> str:
         if not entry.name.isdigit():
             continue
         try:
-            for fd in (entry / "fd").iterdir():
-                if os.readlink(fd) in wanted:
-                    name = (entry / "comm").read_text().strip()
-                    return f"pid {entry.name} ({name})"
-        except OSError:
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # gone, or another user's
             continue
+        for fd in fds:
+            try:  # per descriptor: one closed since the listing must not end the look at this process
+                if os.readlink(fd) in wanted:
+                    return f"pid {entry.name} ({(entry / 'comm').read_text().strip()})"
+            except OSError:
+                continue
     return ""
 
 

@@ -53,3 +53,30 @@ def test_each_launch_renders_its_own_repository_and_removes_it_at_exit(monkeypat
     named = argparse.Namespace(repository_dir=tmp_path / "mine")
     launcher._render_and_serve(named, "cpu", None, None)
     assert seen[1] == tmp_path / "mine" and seen[1].exists()
+
+
+def test_a_descriptor_closed_while_looking_does_not_hide_the_holder(tmp_path, monkeypatch):
+    """A fake /proc: process 7 holds the listening socket on two descriptors, and the first one read is
+    gone by then (closed since the listing): the other one still names the holder."""
+    from backends.deploy import ports
+
+    (tmp_path / "net").mkdir()
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    (tmp_path / "net" / "tcp").write_text(header + "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 "
+                                          "00:00000000 00000000     0        0 4242 1\n")
+    fds = tmp_path / "7" / "fd"
+    fds.mkdir(parents=True)
+    (tmp_path / "7" / "comm").write_text("holder\n")
+    for fd in ("3", "4"):
+        os.symlink("socket:[4242]", fds / fd)
+    real, calls = os.readlink, []
+
+    def racy(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(path)
+        return real(path)
+
+    monkeypatch.setattr(ports.os, "readlink", racy)
+    assert ports.port_holder(0x1F90, proc=tmp_path) == "pid 7 (holder)"
+    assert len(calls) == 2
