@@ -12,3 +12,9 @@ class RequestError(ValueError):
 
 class RequestCancelled(Exception):
     """The client gave up on the request (deadline, closed connection, explicit cancel): stop its work."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message, or its type's name where it has none (a start failure
+    carries the server's log below its first line)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

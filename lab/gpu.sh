@@ -126,7 +126,7 @@ for stage in "$@"; do
       tail -20 "$out/batchdep.log" ;;
     attntiles) python3 -m lab.bench.attention_tiles --section attention_tiles > "$out/attntiles.log" 2>&1
       grep -v Warning "$out/attntiles.log" | tail -45 ;;
-    profile) python3 -m lab.bench.profile_encoder --out "$out" > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;
+    profile) python3 -m lab.bench.profile_encoder --out "$out" --section profile > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;
     *) echo "unknown stage '$stage' (the stages are listed at the top of lab/gpu.sh)" >&2 ;;
   esac
   save

@@ -25,6 +25,7 @@ import numpy as np
 
 import contract
 from backends.deploy.repository import Deployment
+from backends.errors import first_line
 
 ROUNDS = 2
 # Image numbers: never the same image twice in this process (a reload's warm-up after the start-up's
@@ -90,7 +91,7 @@ def warm_up(grpc_url: str, dep: Deployment, timeout_s: float = 60.0, should_stop
                     try:
                         done.result()
                     except Exception as exc:  # noqa: BLE001 - ours, not a user's: say so and serve on
-                        failures.append(f"{ensemble}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+                        failures.append(f"{ensemble}: {first_line(exc)}")
     line = f"sent {sent} requests of our own through both ensembles in {time.monotonic() - t0:.2f} s"
     if failures:
         line += f"; {len(failures)} failed (first: {failures[0]})"

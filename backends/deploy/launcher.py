@@ -40,6 +40,7 @@ from backends.config import env_flag, env_int
 from backends.deploy import allocator as heap, mps, ports as port_check
 from backends.deploy.ports import free_ports
 from backends.deploy.first_requests import warm_up
+from backends.errors import first_line
 from backends.deploy.reaper import Reaper
 from backends.deploy.repository import REPO_ROOT, Deployment, render_repository
 from backends.deploy.stub_env import stub_bin
@@ -372,7 +373,7 @@ class TritonServer:
         try:
             line = self.first_requests(self, should_stop)
         except Exception as exc:  # noqa: BLE001
-            log.warning("first requests of our own failed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.warning("first requests of our own failed: %s", first_line(exc))
             return
         if line:
             log.info("first requests: %s", line)
@@ -736,11 +737,6 @@ def _serve(server) -> int:
 def _error(line: str, prefix: str = "error: ") -> None:
     """A user's mistake or a start that failed: one line on stderr."""
     print(f"{prefix}{line}", file=sys.stderr, flush=True)
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an error's message (a start failure carries the server's log below it)."""
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 if __name__ == "__main__":

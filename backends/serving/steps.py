@@ -20,7 +20,7 @@ from backends.cache.store import EmbeddingCache
 from backends.config import Limits, VisionConfig
 from backends.encoder.cache import cache_version, cached_tensors, held_bytes
 from backends.encoder.metadata import as_grid_list, check_pixels
-from backends.errors import RequestCancelled, RequestError
+from backends.errors import RequestCancelled, RequestError, first_line
 from backends.placeholder.expand import check_one_placeholder_per_image, expand_placeholders
 from backends.preprocess.media import check_image_bytes, plan_media, split_media
 from backends.preprocess.preprocessor import Preprocessor, open_images
@@ -137,7 +137,7 @@ class PreprocessStep:
             try:  # ours, not a user's: one refused (e.g. under tighter limits) or failing is logged, not fatal
                 self.pre(images)
             except Exception as exc:  # noqa: BLE001
-                failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                failed.append(f"{type(exc).__name__}: {first_line(exc)}")
         if self.pre.device.type == "cuda":
             torch.cuda.synchronize(self.pre.device)
         self.pre.decode_stats.clear()
@@ -271,7 +271,7 @@ class EncoderStep:
             lines.append(f"warmed up with {len(WARMUP_GRIDS)} forwards of our own in {time.perf_counter() - t0:.2f} s")
         except Exception as exc:  # noqa: BLE001
             log.exception("the encoder's start-up warm-up failed")
-            lines.append(f"warm-up forwards failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            lines.append(f"warm-up forwards failed ({type(exc).__name__}: {first_line(exc)})")
         self._held.update()
         return lines
 

@@ -1,12 +1,13 @@
 """Where the encoder's GPU time goes: torch.profiler over one forward per case (real size, random
 bf16 weights), top kernels by CUDA time.
 
-    python -m lab.bench.profile_encoder --out lab/out [--backend cudnn_loop]
+    python -m lab.bench.profile_encoder --out lab/out [--backend cudnn_loop] [--section profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +19,14 @@ from backends.encoder.moonvit3d import KimiVisionModel
 from backends.checkpoint.seeded import init_random_
 from lab.bench.encoder_bench import CASES
 from lab.bench.gpu_timing import machine_line
+from lab.bench.results_page import write_section
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("lab/out"))
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--section", default=None, help="also write the tables to this section of the machine's page")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = init_random_(KimiVisionModel(EncoderConfig())).to("cuda", torch.bfloat16).eval()
@@ -44,6 +47,9 @@ def main(argv=None) -> int:
     out = "\n".join(text)
     print(out)
     (args.out / "profile_eager.txt").write_text(out)
+    if args.section:  # the profiler's tables are fixed-width text: kept as a code block on the page
+        command = f"$ python -m lab.bench.profile_encoder {' '.join(sys.argv[1:] if argv is None else argv)}"
+        print(f"written to {write_section('gpu', args.section, command + chr(10) * 2 + '```' + chr(10) + out + chr(10) + '```')}")
     return 0
 
 
