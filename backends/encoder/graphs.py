@@ -190,6 +190,9 @@ class BucketedGraphs:
                 log.warning("CUDA graph capture of the %d-patch bucket failed (%s); its batches run in the next "
                             "larger bucket", size, self.failed[size])
                 continue
+            # One replay now, on padding only: CUDA uploads an instantiated graph to the device at its first
+            # launch, which would otherwise fall on the first request of that size.
+            graph.replay()
             self.buckets[size] = _Bucket(graph, meta)
             done += 1
         torch.cuda.synchronize(dev)
