@@ -13,7 +13,8 @@ N may be any multiple of 8: the "V tile 72" rows build the kernel with V and O t
 (patched into `FlashAttentionForwardSm90` for those rows only, its compile cache swapped aside), which
 removes a tenth of P.V's MMA work if the kernel accepts the unswizzled 144-byte rows.
 
-Each configuration's output is compared with the default's (max abs difference) and with fp32 SDPA (max
+cuDNN's SDPA per media and torch's flash varlen, the encoder's other attention backends, are timed in
+the same table. Each configuration's output is compared with the default's (max abs difference) and with fp32 SDPA (max
 relative error); a configuration that fails to compile or run is reported and skipped. Head dims 64 and
 80 at the default are timed beside as the kernel's own reference points. Throughput is useful TFLOP/s
 (4 * sum(n^2) * 72 * 16 per call).
@@ -29,6 +30,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from backends.encoder.attention import available_backends, varlen_attention
+from backends.encoder.metadata import ForwardMetadata
 from lab.bench.gpu_timing import cuda_time_ms, machine_line
 from lab.bench.results_page import report
 
@@ -110,10 +113,12 @@ def main(argv=None) -> int:
         base_ms = cuda_time_ms(lambda: run(q, k, v, cu, maxlen), iters=args.iters)
         lines.append(f"| {case} | default | | | {base_ms:.3f} | {flops / base_ms / 1e9:.0f} | 1.00x | 0 | "
                      f"{(base.float() - ref32).abs().max().item() / scale:.2e} |")
-        def row(label, cfg):
+
+        def row(label, cfg, fn=None):
+            fn = fn or (lambda: run(q, k, v, cu, maxlen, cfg))
             try:
-                out = run(q, k, v, cu, maxlen, cfg)
-                ms = cuda_time_ms(lambda: run(q, k, v, cu, maxlen, cfg), iters=args.iters)
+                out = fn()
+                ms = cuda_time_ms(fn, iters=args.iters)
             except Exception as exc:  # noqa: BLE001 - a configuration the kernel refuses is a result too
                 lines.append(f"| {case} | {label} | failed: "
                              f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | |")
@@ -127,6 +132,12 @@ def main(argv=None) -> int:
         with _v_tile_exact():
             for cfg in V72_CONFIGS:
                 row(f"{cfg[0]} x {cfg[1]}, V tile 72 | {cfg[2]} | {cfg[3]}", cfg)
+        # The other exact kernels at the same shapes, through the encoder's own dispatch (per media cuDNN,
+        # torch's flash varlen): the ceiling of every candidate in one table.
+        meta = ForwardMetadata(grids=[], seq_lens=list(lens), max_seqlen=maxlen, cu_seqlens=cu, rope=None)
+        for name in ("cudnn_loop", "varlen"):
+            if name in available_backends(q.device, q.dtype):
+                row(f"{name} (torch) | | ", None, lambda: varlen_attention(q, k, v, meta, name))
         for hd in (64, 80):  # the kernel at head dims it was tuned around, same tokens
             q2, k2, v2, cu2, _ = _inputs(lens, hd, gen)
             ms = cuda_time_ms(lambda: run(q2, k2, v2, cu2, maxlen), iters=args.iters)
