@@ -42,6 +42,7 @@ import torch
 
 from backends.encoder.cache import hold_tables_for_graph
 from backends.encoder.metadata import ForwardMetadata, as_grid_list, check_pixels, rope_parts
+from backends.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class BucketedGraphs:
                 # first launch, which would otherwise fall on the first request of that size.
                 graph.replay()
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory; that bucket's batches run in the next larger one
-                self.failed[size] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                self.failed[size] = f"{type(exc).__name__}: {first_line(exc)}"
                 log.warning("CUDA graph capture of the %d-patch bucket failed (%s); its batches run in the next "
                             "larger bucket", size, self.failed[size])
                 continue

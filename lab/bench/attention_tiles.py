@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from backends.encoder.attention import available_backends, varlen_attention
 from backends.encoder.metadata import ForwardMetadata
+from backends.errors import first_line
 from lab.bench.gpu_timing import cuda_time_ms, machine_line
 from lab.bench.results_page import report
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
                 ms = cuda_time_ms(fn, iters=args.iters)
             except Exception as exc:  # noqa: BLE001 - a configuration the kernel refuses is a result too
                 lines.append(f"| {case} | {label} | failed: "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''} | | | | |")
+                             f"{type(exc).__name__}: {first_line(exc)[:80]} | | | | |")
                 return
             lines.append(f"| {case} | {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | "
                          f"{base_ms / ms:.2f}x | {(out.float() - base.float()).abs().max().item():.2e} | "
