@@ -55,11 +55,15 @@ def sections(page: str) -> dict[str, str]:
 
 def merge(into: Path, pages: list[Path]) -> Path:
     """The sections of `pages` (e.g. what several calls on the GPU machine brought back, each with the
-    sections it wrote) written into `into`, later pages winning; the other sections of `into` stay."""
+    sections it wrote) written into `into`, later pages winning; the other sections of `into` stay.
+    Each call starts from the tree's page, so a page also carries the sections it did not write, as
+    they were: only the sections a page changed against `into` as it was count."""
     page = into.read_text() if into.exists() else _header(into.stem)
+    before = sections(page)
     for other in pages:
         for name, body in sections(other.read_text()).items():
-            page = replace_section(page, name, body)
+            if before.get(name) != body:
+                page = replace_section(page, name, body)
     into.write_text(page)
     return into
 

@@ -32,3 +32,18 @@ def test_pages_from_several_calls_merge_section_by_section(tmp_path):
     into.write_text(replace_section("# page\n", "old", "kept"))
     merge(into, [a, b, tmp_path / "c" / "cpu.md"])
     assert sections(into.read_text()) == {"old": "kept", "perf-1024": "call three", "soak": "call two"}
+
+
+def test_a_page_that_carries_a_section_unchanged_does_not_undo_another_calls_run(tmp_path):
+    from lab.bench.results_page import merge, sections
+
+    into = tmp_path / "cpu.md"
+    into.write_text(replace_section(replace_section("# page\n", "encoder", "old"), "mixed", "old"))
+    first = tmp_path / "a" / "cpu.md"  # call one wrote the encoder's section; mixed came along as it was
+    first.parent.mkdir()
+    first.write_text(replace_section(into.read_text(), "encoder", "new"))
+    second = tmp_path / "b" / "cpu.md"  # call two, from the same tree, wrote mixed only
+    second.parent.mkdir()
+    second.write_text(replace_section(into.read_text(), "mixed", "new"))
+    merge(into, [first, second])
+    assert sections(into.read_text()) == {"encoder": "new", "mixed": "new"}
