@@ -37,6 +37,17 @@ def test_fused_rope_is_bit_identical_to_portable(tokens, head_dim, dtype):
     assert torch.equal(qkv[:, 2], v)
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 5476, 16900])
+def test_rope_into_padded_rows_is_the_portable_rotation_bit_for_bit(tokens):
+    torch.manual_seed(tokens)
+    freqs = _freqs(tokens, 72)
+    qkv = torch.randn(tokens, 3, 16, 72, device=DEV).bfloat16()
+    ref_q, ref_k = apply_rope_portable(qkv[:, 0], qkv[:, 1], freqs)
+    out = fused_rope.rope_into_padded(*qkv.unbind(1), fused_rope.prepare_rope(freqs), 80)
+    assert torch.equal(out[0, ..., :72], ref_q) and torch.equal(out[1, ..., :72], ref_k)
+    assert torch.equal(out[2, ..., :72], qkv[:, 2]) and not out[..., 72:].any()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 37, 5476, 16900])
 def test_fused_add_layernorm_against_the_two_torch_ops(rows, dtype):
