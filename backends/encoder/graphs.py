@@ -186,9 +186,6 @@ class BucketedGraphs:
                 torch.cuda.current_stream(dev).wait_stream(side)
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                     run()
-                # One replay now, on padding only: CUDA uploads an instantiated graph to the device at its
-                # first launch, which would otherwise fall on the first request of that size.
-                graph.replay()
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory; that bucket's batches run in the next larger one
                 self.failed[size] = f"{type(exc).__name__}: {first_line(exc)}"
                 log.warning("CUDA graph capture of the %d-patch bucket failed (%s); its batches run in the next "
