@@ -116,6 +116,8 @@ def _fa4(q, k, v, meta: ForwardMetadata, head_dim: int) -> torch.Tensor:
     off; the scale stays 1/sqrt(head_dim) (docs/encoder.md#attention). q, k, v come padded already from
     the encoder's fused RoPE (kernels/rope.py: rope_into_padded), or are copied here."""
     p = padded_head_dim(head_dim)
+    if not q.shape == k.shape == v.shape:
+        raise ValueError(f"q, k and v must match: {tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)}")
     if q.shape[-1] == head_dim and p != head_dim:
         padded = q.new_empty((3, *q.shape[:-1], p))  # one buffer: q, k, v with zeroed tails
         padded[..., head_dim:].zero_()

@@ -130,6 +130,28 @@ def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> tuple[di
     return dict(BLOCK_T=block_t, BLOCK_P=block_p, CHUNKS=chunks, MASK_P=mask_p), n_chunks // chunks
 
 
+def _checked(prepared: PreparedRope, *tensors: torch.Tensor) -> tuple[int, int, int]:
+    """(L, H, D) of q (the first tensor), after the checks every launch needs: the kernel reads the
+    tensors and the table through raw pointers, so a mismatch would read out of bounds, not raise."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    q = tensors[0]
+    L, H, D = q.shape
+    if any(t.shape != q.shape or t.dtype != q.dtype or t.device != q.device for t in tensors):
+        raise ValueError("q, k (and v) must match: " + ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in tensors))
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("q, k (and v) need a unit stride in the head dimension")
+    cs = prepared.cos_sin
+    if cs.device != q.device or cs.dtype != torch.float32 or not cs.is_contiguous():
+        raise ValueError(f"the rotation table must be contiguous float32 on {q.device}, got {cs.dtype} on {cs.device}")
+    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
+        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
+                         f"q is {L} x {D}")
+    return L, H, D
+
+
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope, block_t: int = 4,
                        max_chunks: int = 3, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1).
@@ -142,21 +164,7 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
     contracted into FMAs (checked on an H200 with torch 2.11: 0 mismatches in 1.2M values, 59 for
     separately rounded products), ATen's CPU kernel rounds both products; the kernel follows q's
     device, so under Triton's CPU interpreter it equals the CPU reference."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    L, H, D = q.shape
-    if k.shape != q.shape or q.dtype != k.dtype:
-        raise ValueError(f"q and k must match: {tuple(q.shape)} {q.dtype} vs {tuple(k.shape)} {k.dtype}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("q and k need a unit stride in the head dimension")
-    cs = prepared.cos_sin
-    if cs.device != q.device or cs.dtype != torch.float32 or not cs.is_contiguous():
-        raise ValueError(f"the rotation table must be contiguous float32 on {q.device}, got {cs.dtype} on {cs.device}")
-    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
-        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
-                         f"q is {L} x {D}")
+    L, H, D = _checked(prepared, q, k)
     if L == 0:
         return q, k
     contiguous = (H == 1 or (q.stride(1) == D and k.stride(1) == D))
@@ -187,20 +195,9 @@ def rope_into_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared
     faster from rows padded to 80 in memory (docs/encoder.md#attention): the rotation and the padding
     make one trip through memory instead of two. The rotated values are apply_rope_inplace's, bit for
     bit (the same kernel, writing elsewhere)."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    L, H, D = q.shape
-    if k.shape != q.shape or v.shape != q.shape or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must match: {tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("q, k and v need a unit stride in the head dimension")
+    L, H, D = _checked(prepared, q, k, v)
     if padded_dim < D:
         raise ValueError(f"padded_dim {padded_dim} is less than the head dim {D}")
-    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
-        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
-                         f"q is {L} x {D}")
     out = q.new_empty((3, L, H, padded_dim))
     if padded_dim > D:
         out[..., D:].zero_()

@@ -73,3 +73,5 @@ def test_padded_rows_of_the_wrong_width_and_padding_for_other_backends_are_refus
         attention.varlen_attention(wide, wide, wide, meta, "fa4", head_dim=72)
     with pytest.raises(ValueError, match="only fa4"):
         attention.varlen_attention(wide, wide, wide, meta, "sdpa_loop", head_dim=72)
+    with pytest.raises(ValueError, match="must match"):  # q padded, v not
+        attention.varlen_attention(wide, wide, v, meta, "fa4", head_dim=72)

@@ -245,3 +245,16 @@ def test_rejects_fp32_and_mismatched_tables():
     for bad in (table.double(), table.transpose(0, 1).contiguous().transpose(0, 1)):  # float64; strided
         with pytest.raises(ValueError, match="contiguous float32"):
             apply_rope_inplace(q, q.clone(), PreparedRope(bad))
+
+
+def test_the_padded_variant_checks_what_the_in_place_one_checks_and_v():
+    from backends.kernels.rope import PreparedRope, prepare_rope, rope_into_padded
+
+    freqs = torch.polar(torch.ones(4, 36), torch.rand(4, 36))
+    q = torch.zeros(4, 2, 72, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        rope_into_padded(q, q.clone(), q.clone(), PreparedRope(prepare_rope(freqs).cos_sin.double()), 80)
+    with pytest.raises(ValueError, match="must match"):
+        rope_into_padded(q, q.clone(), torch.zeros(4, 2, 64, dtype=torch.bfloat16), prepare_rope(freqs), 80)
+    with pytest.raises(ValueError, match="less than the head dim"):
+        rope_into_padded(q, q.clone(), q.clone(), prepare_rope(freqs), 64)
