@@ -162,7 +162,7 @@ say "ready in $((SECONDS - t)) s"
 podman healthcheck run "$name" > /dev/null || { logs; fail "the image's HEALTHCHECK does not pass on a ready server"; }
 "$PY" -m clients.demo --url "127.0.0.1:$grpc" | tee "$WORK/answer.txt" || { logs; fail "the sample request failed"; }
 got=$(sed -n -E 's/^image embeds: .* sha256 ([0-9a-f]+)$/\1/p' "$WORK/answer.txt")
-[[ $got == "$expected" ]] || fail "the answer's sha256 is '$got', README.md's (make run's) is $expected (README's is from a CPU with AVX-512; on one without, torch's kernels add in another order)"
+[[ $got == "$expected" ]] || fail "the answer's sha256 is '$got', README.md's (make run's) is $expected (on a CPU whose vector units differ from README's machine, torch's kernels add in another order)"
 
 # 5. Stop: the launcher drains and exits 0 on SIGTERM.
 podman stop -t 40 "$name" > /dev/null 2>> "$WORK/podman.log" || fail "podman stop failed (log: build/image-test/podman.log)"
