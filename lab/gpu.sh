@@ -24,7 +24,7 @@
 #   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
 #   multiturn   chats that resend their images, the embedding cache on and off (lab/bench/multiturn.py)
 #   batchdep    whether a media's rows depend on what it was batched with (lab/bench/batch_dependence.py)
-#   attntiles   attention at head dim 72: flash-attn-4 as given, padded to 80, the other backends (lab/bench/attention_tiles.py)
+#   attntiles   attention at head dim 72: flash-attn-4 as given, the encoder's padded call, the other backends (lab/bench/attention_tiles.py)
 # Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh; .whl/nixl (--nixl) beside
 # .whl/gpu for the NIXL pull's GPU test and e2e row (GPU_TESTS=tests/gpu/test_nixl_gpu.py bash lab/gpu.sh tests e2e).
 set -uo pipefail
