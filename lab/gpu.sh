@@ -3,12 +3,11 @@
 # lab/results/<gpu>.md (lab/bench/results_page.py); the page, the summaries and one results.tgz (logs)
 # come back under $OUT where the device tool sets it.
 #
-#   bash lab/gpu.sh fa4a            # then, in the next call:
-#   bash lab/gpu.sh fa4b tests      # flash-attn-4 installed (its library travels in two parts), GPU tests
+#   bash lab/gpu.sh fa4 tests       # carry .whl/fa4: flash-attn-4 installed, GPU tests
 #   bash lab/gpu.sh encoder preprocess decode perf e2e soak
 #
 # Stages:
-#   fa4a, fa4b  flash-attn-4 (lab/pack_gpu_wheels.sh --fa4 packs it in two halves under 64 MiB each)
+#   fa4         flash-attn-4 unpacked from .whl/fa4 (lab/pack_gpu_wheels.sh --fa4), once per machine
 #   tests       tests/gpu and the Pillow-exactness tests on the GPU (GPU_TESTS names others)
 #   encoder     the encoder against transformers, MFU and RoPE (lab/bench/encoder_bench.py)
 #   preprocess  GPU preprocessing against the checkpoint processor (lab/bench/preprocess_bench.py)
@@ -24,6 +23,7 @@
 #   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
 #   multiturn   chats that resend their images, the embedding cache on and off (lab/bench/multiturn.py)
 #   batchdep    whether a media's rows depend on what it was batched with (lab/bench/batch_dependence.py)
+#   fa4padding  the whole encoder, flash-attn-4 fed heads padded to 80 against given 72, same run (lab/bench/fa4_padding.py)
 #   attntiles   attention at head dim 72: flash-attn-4 as given, the encoder's padded call, the other backends (lab/bench/attention_tiles.py)
 # Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh; .whl/nixl (--nixl) beside
 # .whl/gpu for the NIXL pull's GPU test and e2e row (GPU_TESTS=tests/gpu/test_nixl_gpu.py bash lab/gpu.sh tests e2e).
@@ -69,14 +69,12 @@ rm -f "$out"/*.log  # a warm machine's earlier call must not pass for this one's
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv
   python3 -c "import torch, PIL, numpy, transformers; print('torch', torch.__version__, 'pillow', PIL.__version__, 'numpy', numpy.__version__, 'transformers', transformers.__version__)"
   python3 -c "import torch; from backends.encoder.attention import available_backends; print('attention backends:', available_backends(torch.device('cuda'), torch.bfloat16))"
-  [[ -d /tmp/fa4/flash_attn ]] || echo "flash-attn-4 is not installed: run the fa4a and fa4b stages first (every GPU figure is taken with it)"
+  [[ -d /tmp/fa4/flash_attn ]] || echo "flash-attn-4 is not installed: run the fa4 stage first, carrying .whl/fa4 (every GPU figure is taken with it)"
 } 2>&1 | tee "$out/gpu.txt"
 for stage in "$@"; do
   case $stage in
-    fa4a) mkdir -p /tmp/fa4parts && cp .whl/fa4a/cu13part.aa /tmp/fa4parts/ && echo "fa4a carried" ;;
-    fa4b)
-      cat /tmp/fa4parts/cu13part.aa .whl/fa4b/cu13part.ab > /tmp/fa4parts/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4 .whl/fa4b/*.whl /tmp/fa4parts/*.whl \
+    fa4)
+      [[ -d /tmp/fa4/flash_attn ]] || { mkdir -p /tmp/fa4 && tar -xJf .whl/fa4/fa4-site.tar.xz -C /tmp/fa4; } \
         && echo "fa4 installed"
       export PYTHONPATH=$PYTHONPATH:/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages ;;
     tests)
@@ -86,7 +84,7 @@ for stage in "$@"; do
       # The summary line, with what ran and on which tree, as the page's gpu-tests section (a run of
       # GPU_TESTS alone as gpu-tests-selected, so that it never stands for the whole suite).
       { echo "python3 -m pytest -q $suite  (bash lab/gpu.sh ... tests; tree $(git rev-parse --short HEAD 2> /dev/null || echo unknown))"
-        echo; sed -n 3p "$out/gpu.txt"  # the backends as the tests saw them (a fa4b stage may precede)
+        echo; sed -n 3p "$out/gpu.txt"  # the backends as the tests saw them (a fa4 stage may precede)
         python3 -c "import torch; from backends.encoder.attention import available_backends; print('attention backends:', available_backends(torch.device('cuda'), torch.bfloat16))"; echo
         grep -E "^(FAILED|ERROR) " "$out/gpu_tests.log" | head -20
         grep -E "[0-9]+ (passed|failed)" "$out/gpu_tests.log" | tail -1
@@ -125,6 +123,8 @@ for stage in "$@"; do
         > "$out/multiturn.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/multiturn.log" | tail -14 ;;
     batchdep) python3 -m lab.bench.batch_dependence --section batch_dependence > "$out/batchdep.log" 2>&1
       tail -20 "$out/batchdep.log" ;;
+    fa4padding) python3 -m lab.bench.fa4_padding --section fa4_padding > "$out/fa4_padding.log" 2>&1
+      grep -v Warning "$out/fa4_padding.log" | tail -8 ;;
     attntiles) python3 -m lab.bench.attention_tiles --section attention_tiles > "$out/attntiles.log" 2>&1
       grep -v Warning "$out/attntiles.log" | tail -20 ;;
     profile) python3 -m lab.bench.profile_encoder --out "$out" --section profile > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;

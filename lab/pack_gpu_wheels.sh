@@ -5,9 +5,10 @@
 #              the other Pythons' stubs and the bundled libpython3.13 dropped), numpy<2 for the 2.51
 #              Python backend, tritonclient and python-rapidjson;
 #   .whl/perf  perf_analyzer (from the tritonclient 2.48 wheel, xz), libcudart 12 and libb64;
-#   .whl/fa4a, .whl/fa4b  (with --fa4) flash-attn-4 and its CUTLASS DSL libraries; the 92 MB library
-#              wheel is split in two (cu13part.aa, cu13part.ab), carried by two calls back to back
-#              (lab/gpu.sh stages fa4a, fa4b);
+#   .whl/fa4   (with --fa4) flash-attn-4 and its CUTLASS DSL libraries, unpacked and packed again as one
+#              xz archive with the x86 branch filter and a 256 MiB dictionary (55 MiB; as wheels 102 MB,
+#              as plain xz -9e 64 MiB): one call carries it with the repo, or with .whl/perf (lab/gpu.sh
+#              stage fa4). Packing takes about 5 minutes (one thread: the dictionary spans the archive);
 #   .whl/nixl  (with --nixl) NIXL for the host's CUDA 13 torch (nixl-cu13, requirements.txt's nixl-cu12
 #              version) slimmed to its UCX and POSIX plugins, without nixl_ep (56 MiB as a wheel, 11 MB so):
 #              carried beside .whl/gpu in one call (lab/gpu.sh unpacks it).
@@ -42,12 +43,11 @@ if [[ " $* " == *" --nixl "* ]]; then
     && tar -cf - . | xz -6 -T2 > "$OLDPWD/$dest/nixl/nixl-cu13-slim.tar.xz")
 fi
 if [[ " $* " == *" --fa4 "* ]]; then
-  mkdir -p "$dest/fa4a" "$dest/fa4b" "$tmp/fa4"
+  mkdir -p "$dest/fa4" "$tmp/fa4" "$tmp/fa4site"
   get "$tmp/fa4" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels apache-tvm-ffi torch-c-dlpack-ext
-  big=$(ls "$tmp"/fa4/nvidia_cutlass_dsl_libs_cu13-*.whl)
-  split -b 47000000 "$big" "$tmp/cu13part."
-  mv "$tmp/cu13part.aa" "$dest/fa4a/"; mv "$tmp/cu13part.ab" "$dest/fa4b/"; rm "$big"
-  mv "$tmp"/fa4/*.whl "$dest/fa4b/"
+  # Pure wheels with no .data folders: unzipped they are what `pip install --target` makes.
+  for w in "$tmp"/fa4/*.whl; do unzip -q -o "$w" -d "$tmp/fa4site"; done
+  (cd "$tmp/fa4site" && tar --sort=name -cf - . | xz -T1 --x86 --lzma2=preset=9e,dict=256MiB > "$OLDPWD/$dest/fa4/fa4-site.tar.xz")
 fi
 rm -rf "$tmp"; du -sh "$dest"/*

@@ -12,23 +12,20 @@ device copy bandwidth).
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from backends.config import EncoderConfig, MediaConfig
-from backends.encoder import attention as attention_mod
 from backends.encoder.attention import available_backends
-from backends.encoder.moonvit3d import Kernels
 from backends.encoder.metadata import rope_angles_table
 from backends.kernels.rope import apply_rope_portable
 from backends.kernels import rope as fused_rope
 from backends.encoder.graphs import GraphedEncoder
 from backends.preprocess.media import largest_media_patches
+from lab.bench.fa4_padding import fa4_at_72
 from lab.bench.gpu_timing import copy_bandwidth_gbs, cuda_time_ms, graph_time_ms, machine_line, matmul_peak_tflops, write_report
 from oracles.transformers_kimi import hf_config, hf_model, rel_err
 
@@ -44,15 +41,6 @@ def encoder_flops(cfg: EncoderConfig, grids) -> float:
     tokens = sum(h * w // 4 for _, h, w in grids)
     projector = 2 * tokens * (4 * d * 4 * d + 4 * d * cfg.text_hidden_size)
     return cfg.num_layers * per_layer + 2 * n * 588 * d + projector
-
-
-@contextlib.contextmanager
-def fa4_at_72():
-    """The encoder as it ran before it padded heads for flash-attn-4: RoPE in place, the kernel given 72
-    (it pads to 80 itself, with bounds-checked loads). Only to time the padded path against it in one run."""
-    with mock.patch.object(Kernels, "rope_padded", lambda self, q, k, v: (*self.rope(q, k), v)), \
-            mock.patch.object(attention_mod, "padded_head_dim", lambda d: d):
-        yield
 
 
 def ours_from_hf(model, device, dtype):
