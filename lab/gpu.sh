@@ -23,8 +23,7 @@
 #   restart     a dead stub's full restart on the real-size checkpoint, timed (lab/bench/restart.py)
 #   multiturn   chats that resend their images, the embedding cache on and off (lab/bench/multiturn.py)
 #   batchdep    whether a media's rows depend on what it was batched with (lab/bench/batch_dependence.py)
-#   fa4padding  the whole encoder, flash-attn-4 fed heads padded to 80 against given 72, same run (lab/bench/fa4_padding.py)
-#   attntiles   attention at head dim 72: flash-attn-4 as given, the encoder's padded call, the other backends (lab/bench/attention_tiles.py)
+#   attntiles   attention at head dim 72: flash-attn-4 as given, padded to 80, the other backends (lab/bench/attention_tiles.py)
 # Carry what the machine lacks: .whl/gpu and .whl/perf, made by lab/pack_gpu_wheels.sh; .whl/nixl (--nixl) beside
 # .whl/gpu for the NIXL pull's GPU test and e2e row (GPU_TESTS=tests/gpu/test_nixl_gpu.py bash lab/gpu.sh tests e2e).
 set -uo pipefail
@@ -123,8 +122,6 @@ for stage in "$@"; do
         > "$out/multiturn.log" 2>&1; grep -v "^[IWE]1[0-9]" "$out/multiturn.log" | tail -14 ;;
     batchdep) python3 -m lab.bench.batch_dependence --section batch_dependence > "$out/batchdep.log" 2>&1
       tail -20 "$out/batchdep.log" ;;
-    fa4padding) python3 -m lab.bench.fa4_padding --section fa4_padding > "$out/fa4_padding.log" 2>&1
-      grep -v Warning "$out/fa4_padding.log" | tail -8 ;;
     attntiles) python3 -m lab.bench.attention_tiles --section attention_tiles > "$out/attntiles.log" 2>&1
       grep -v Warning "$out/attntiles.log" | tail -20 ;;
     profile) python3 -m lab.bench.profile_encoder --out "$out" --section profile > "$out/profile.log" 2>&1; head -60 "$out/profile.log" ;;

@@ -103,44 +103,13 @@ def _cudnn_sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """The head dim flash-attn-4 is given: the encoder's 72 rounded up to a multiple of 16 (80)."""
-    return -(-head_dim // 16) * 16
-
-
-def _fa4(q, k, v, meta: ForwardMetadata, head_dim: int) -> torch.Tensor:
-    """flash-attn-4 over q, k, v zero-padded to a head dim that is a multiple of 16. Given 72, the kernel
-    pads to 80 itself, but with bounds-checked loads of every 144-byte row: one 1 x 3000^2 layer took
-    2.94 ms at 72 against 2.58 ms at 80 on the same tokens (H100, lab/results/h100.md#attention_tiles).
-    Zeros in the extra columns add nothing to Q.K^T, and P.V's extra columns come out zero and are cut
-    off; the scale stays 1/sqrt(head_dim) (docs/encoder.md#attention). q, k, v come padded already from
-    the encoder's fused RoPE (kernels/rope.py: rope_into_padded), or are copied here."""
-    p = padded_head_dim(head_dim)
-    if not q.shape == k.shape == v.shape:
-        raise ValueError(f"q, k and v must match: {tuple(q.shape)} {tuple(k.shape)} {tuple(v.shape)}")
-    if q.shape[-1] == head_dim and p != head_dim:
-        padded = q.new_empty((3, *q.shape[:-1], p))  # one buffer: q, k, v with zeroed tails
-        padded[..., head_dim:].zero_()
-        for i, t in enumerate((q, k, v)):
-            padded[i, ..., :head_dim].copy_(t)
-        q, k, v = padded.unbind(0)
-    elif q.shape[-1] != p:
-        raise ValueError(f"flash-attn-4 takes head dim {head_dim} as {head_dim} or padded to {p}, got {q.shape[-1]}")
-    out = _fa4_varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
-                      max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen, softmax_scale=head_dim ** -0.5)
-    out = out[0] if isinstance(out, tuple) else out
-    return out[..., :head_dim]
-
-
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForwardMetadata,
-                     backend: str, head_dim: int | None = None) -> torch.Tensor:
-    """q, k, v: (L, H, D). Returns (L, H, D). Softmax scale 1/sqrt(D), non-causal. For `fa4` only, q, k
-    and v may come zero-padded past D = `head_dim` to padded_head_dim(D)."""
-    head_dim = head_dim or q.shape[-1]
+                     backend: str) -> torch.Tensor:
+    """q, k, v: (L, H, D). Returns (L, H, D). Softmax scale 1/sqrt(D), non-causal."""
     if backend == "fa4":
-        return _fa4(q, k, v, meta, head_dim)
-    if q.shape[-1] != head_dim:
-        raise ValueError(f"only fa4 takes padded heads: {backend} got {q.shape[-1]} columns for head dim {head_dim}")
+        out = _fa4_varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens, cu_seqlens_k=meta.cu_seqlens,
+                          max_seqlen_q=meta.max_seqlen, max_seqlen_k=meta.max_seqlen)
+        return out[0] if isinstance(out, tuple) else out
     if backend == "varlen":
         return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), meta.cu_seqlens, meta.cu_seqlens,
                             meta.max_seqlen, meta.max_seqlen)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.config import EncoderConfig
-from backends.encoder.attention import padded_head_dim, pick_backend, varlen_attention
+from backends.encoder.attention import pick_backend, varlen_attention
 from backends.encoder.cache import TensorCache
 from backends.encoder.metadata import ForwardMetadata, build_metadata, check_pixels
 from backends.encoder.pos_resize import resize_table
@@ -52,14 +52,6 @@ class Kernels:
         if self.prepared is not None:
             return fused_rope.apply_rope_inplace(q, k, self.prepared)
         return fused_rope.apply_rope_portable(q, k, self.freqs)
-
-    def rope_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k rotated and v, for flash-attn-4: fused, written once into rows padded to a multiple of 16
-        with zeros (docs/encoder.md#attention); otherwise rotated as `rope` does, unpadded (attention
-        pads them)."""
-        if self.prepared is not None:
-            return fused_rope.rope_into_padded(q, k, v, self.prepared, padded_head_dim(q.shape[-1])).unbind(0)
-        return (*self.rope(q, k), v)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta))."""
@@ -159,12 +151,8 @@ class EncoderBlock(nn.Module):
         L = h.shape[0]
         qkv = self.wqkv(h)  # (L, 3D)
         q, k, v = qkv.view(L, 3, self.num_heads, self.head_dim).unbind(1)  # [q | k | v], head-major views
-        if attn_backend == "fa4":  # rotated and padded for it in one pass
-            q, k, v = kernels.rope_padded(q, k, v)
-        else:
-            q, k = kernels.rope(q, k)  # the fused kernel rotates the views in place inside qkv
-        out = varlen_attention(q, k, v, meta, attn_backend, head_dim=self.head_dim)
-        return self.wo(out.reshape(L, -1))
+        q, k = kernels.rope(q, k)  # the fused kernel rotates the views in place inside qkv
+        return self.wo(varlen_attention(q, k, v, meta, attn_backend).reshape(L, -1))
 
 
 class Encoder(nn.Module):

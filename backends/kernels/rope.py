@@ -61,22 +61,19 @@ def prepare_rope(freqs: torch.Tensor) -> PreparedRope:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n_tokens"])  # random image sizes must not recompile
-    def _rope_kernel(
-        q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, cs_ptr,
+    def _rope_inplace_kernel(
+        q_ptr, k_ptr, cs_ptr,
         n_tokens,
-        q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-        qo_stride_t, qo_stride_h, ko_stride_t, ko_stride_h, vo_stride_t, vo_stride_h,
+        q_stride_t, q_stride_h, k_stride_t, k_stride_h,
         HEAD_DIM: tl.constexpr, NUM_PAIRS: tl.constexpr, HEADS_CONTIGUOUS: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, CHUNKS: tl.constexpr, MASK_P: tl.constexpr,
-        FMA: tl.constexpr, COPY_V: tl.constexpr,
+        FMA: tl.constexpr,
     ):
         # A program owns BLOCK_T tokens and CHUNKS * BLOCK_P of each token's NUM_PAIRS = H * D / 2
-        # complex pairs, in q and in k: it reads them from q/k and writes them rotated to qo/ko (the same
-        # memory for the in-place call). A token's heads are one contiguous run in the QKV projection
-        # (HEADS_CONTIGUOUS, in place only), so each chunk is a dense (BLOCK_T, BLOCK_P, 2) tile: one
-        # coalesced load, split into real and imaginary parts in registers, one store. The rotation of
-        # pair p is entry p % (D / 2) of the token's row in cs (L, D/2, 2); it is read once for q and k
-        # together. COPY_V: v's pairs are copied to vo unrotated in the same pass.
+        # complex pairs, in q and in k. A token's heads are one contiguous run in the QKV projection
+        # (HEADS_CONTIGUOUS), so each chunk is a dense (BLOCK_T, BLOCK_P, 2) tile: one coalesced load,
+        # split into real and imaginary parts in registers, one store. The rotation of pair p is entry
+        # p % (D / 2) of the token's row in cs (L, D/2, 2); it is read once for q and k together.
         half: tl.constexpr = HEAD_DIM // 2
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]  # (T, 1, 1)
         tmask = tok < n_tokens
@@ -89,23 +86,20 @@ if triton is not None:
             else:
                 mask = tmask
             if HEADS_CONTIGUOUS:
-                head = p * 0
-                elem = 2 * p + j
+                q_off = tok * q_stride_t + 2 * p + j
+                k_off = tok * k_stride_t + 2 * p + j
             else:
                 head = (p // half).to(tl.int64)  # head * stride_h passes 2^31 for head-major q of ~2M tokens
                 elem = 2 * (p % half) + j
+                q_off = tok * q_stride_t + head * q_stride_h + elem
+                k_off = tok * k_stride_t + head * k_stride_h + elem
             c, s = tl.split(tl.load(cs_ptr + tok * HEAD_DIM + 2 * (p % half) + j, mask=mask, other=0.0))
-            _rotate_tile(q_ptr + tok * q_stride_t + head * q_stride_h + elem,
-                         qo_ptr + tok * qo_stride_t + head * qo_stride_h + elem, mask, c, s, FMA)
-            _rotate_tile(k_ptr + tok * k_stride_t + head * k_stride_h + elem,
-                         ko_ptr + tok * ko_stride_t + head * ko_stride_h + elem, mask, c, s, FMA)
-            if COPY_V:
-                x = tl.load(v_ptr + tok * v_stride_t + head * v_stride_h + elem, mask=mask)
-                tl.store(vo_ptr + tok * vo_stride_t + head * vo_stride_h + elem, x, mask=mask)
+            _rotate_tile(q_ptr + q_off, mask, c, s, FMA)
+            _rotate_tile(k_ptr + k_off, mask, c, s, FMA)
 
     @triton.jit
-    def _rotate_tile(src, dst, mask, c, s, FMA: tl.constexpr):
-        a, b = tl.split(tl.load(src, mask=mask, other=0.0).to(tl.float32))
+    def _rotate_tile(ptrs, mask, c, s, FMA: tl.constexpr):
+        a, b = tl.split(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32))
         # (a + bi)(c + si), with the roundings of the portable path on this device.
         if FMA:  # CUDA's complex<float> multiply, contracted by nvcc: fma(a, c, -(b*s)), fma(a, s, b*c)
             re = tl.fma(a, c, -(b * s))
@@ -113,7 +107,7 @@ if triton is not None:
         else:  # ATen's CPU kernel: two rounded products, then the sum (needs fp fusion off)
             re = a * c - b * s
             im = a * s + b * c
-        tl.store(dst, tl.join(re, im).to(dst.dtype.element_ty), mask=mask)
+        tl.store(ptrs, tl.join(re, im).to(ptrs.dtype.element_ty), mask=mask)
 
 
 def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> tuple[dict, int]:
@@ -130,28 +124,6 @@ def _launch_shape(num_pairs: int, block_t: int, max_chunks: int = 3) -> tuple[di
     return dict(BLOCK_T=block_t, BLOCK_P=block_p, CHUNKS=chunks, MASK_P=mask_p), n_chunks // chunks
 
 
-def _checked(prepared: PreparedRope, *tensors: torch.Tensor) -> tuple[int, int, int]:
-    """(L, H, D) of q (the first tensor), after the checks every launch needs: the kernel reads the
-    tensors and the table through raw pointers, so a mismatch would read out of bounds, not raise."""
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    q = tensors[0]
-    L, H, D = q.shape
-    if any(t.shape != q.shape or t.dtype != q.dtype or t.device != q.device for t in tensors):
-        raise ValueError("q, k (and v) must match: " + ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device}" for t in tensors))
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
-    if any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError("q, k (and v) need a unit stride in the head dimension")
-    cs = prepared.cos_sin
-    if cs.device != q.device or cs.dtype != torch.float32 or not cs.is_contiguous():
-        raise ValueError(f"the rotation table must be contiguous float32 on {q.device}, got {cs.dtype} on {cs.device}")
-    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
-        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
-                         f"q is {L} x {D}")
-    return L, H, D
-
-
 def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope, block_t: int = 4,
                        max_chunks: int = 3, num_warps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k (L, H, D) in place; returns them. Strided views are fine (last stride 1).
@@ -164,44 +136,31 @@ def apply_rope_inplace(q: torch.Tensor, k: torch.Tensor, prepared: PreparedRope,
     contracted into FMAs (checked on an H200 with torch 2.11: 0 mismatches in 1.2M values, 59 for
     separately rounded products), ATen's CPU kernel rounds both products; the kernel follows q's
     device, so under Triton's CPU interpreter it equals the CPU reference."""
-    L, H, D = _checked(prepared, q, k)
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    L, H, D = q.shape
+    if k.shape != q.shape or q.dtype != k.dtype:
+        raise ValueError(f"q and k must match: {tuple(q.shape)} {q.dtype} vs {tuple(k.shape)} {k.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the fused RoPE takes bf16/fp16, got {q.dtype}; fp32 uses the portable path")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need a unit stride in the head dimension")
+    cs = prepared.cos_sin
+    if cs.device != q.device or cs.dtype != torch.float32 or not cs.is_contiguous():
+        raise ValueError(f"the rotation table must be contiguous float32 on {q.device}, got {cs.dtype} on {cs.device}")
+    if prepared.num_tokens != L or prepared.num_pairs * 2 != D:
+        raise ValueError(f"rotation table is for {prepared.num_tokens} tokens x {2 * prepared.num_pairs} dims, "
+                         f"q is {L} x {D}")
     if L == 0:
         return q, k
-    contiguous = (H == 1 or (q.stride(1) == D and k.stride(1) == D))
-    _launch(q, k, None, q, k, None, prepared, contiguous, block_t, max_chunks, num_warps)
-    return q, k
-
-
-def _launch(q, k, v, qo, ko, vo, prepared: PreparedRope, contiguous: bool, block_t: int, max_chunks: int,
-            num_warps: int) -> None:
-    L, H, D = q.shape
     fma = q.device.type == "cuda"
     tiles, chunk_programs = _launch_shape(H * D // 2, block_t, max_chunks)
-    copy_v = v is not None
-    v, vo = (v, vo) if copy_v else (q, qo)  # unused pointers when COPY_V is off
-    _rope_kernel[(triton.cdiv(L, block_t), chunk_programs)](
-        q, k, v, qo, ko, vo, prepared.cos_sin, L,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), vo.stride(0), vo.stride(1),
+    contiguous = (H == 1 or (q.stride(1) == D and k.stride(1) == D))
+    grid = (triton.cdiv(L, block_t), chunk_programs)
+    _rope_inplace_kernel[grid](
+        q, k, prepared.cos_sin, L,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         HEAD_DIM=D, NUM_PAIRS=H * D // 2, HEADS_CONTIGUOUS=contiguous, **tiles,
-        FMA=fma, COPY_V=copy_v, enable_fp_fusion=fma, num_warps=num_warps,
+        FMA=fma, enable_fp_fusion=fma, num_warps=num_warps,
     )
-
-
-def rope_into_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedRope, padded_dim: int,
-                     block_t: int = 4, max_chunks: int = 3, num_warps: int = 2) -> torch.Tensor:
-    """(3, L, H, padded_dim): q and k rotated, v copied, each head's columns past D zero, in one pass over
-    q, k and v (L, H, D; strided views are fine, last stride 1). For flash-attn-4, which runs head dim 72
-    faster from rows padded to 80 in memory (docs/encoder.md#attention): the rotation and the padding
-    make one trip through memory instead of two. The rotated values are apply_rope_inplace's, bit for
-    bit (the same kernel, writing elsewhere)."""
-    L, H, D = _checked(prepared, q, k, v)
-    if padded_dim < D:
-        raise ValueError(f"padded_dim {padded_dim} is less than the head dim {D}")
-    out = q.new_empty((3, L, H, padded_dim))
-    if padded_dim > D:
-        out[..., D:].zero_()
-    if L:
-        qo, ko, vo = out.unbind(0)
-        _launch(q, k, v, qo, ko, vo, prepared, False, block_t, max_chunks, num_warps)
-    return out
+    return q, k

@@ -38,6 +38,6 @@ def test_the_encoder_kernels_take_no_size_argument_they_specialize_on():
     (a model constant); their tensors are whole allocations or views at model-fixed offsets."""
     from backends.kernels import add_norm, rope
 
-    assert params(rope._rope_kernel)["n_tokens"].do_not_specialize
+    assert params(rope._rope_inplace_kernel)["n_tokens"].do_not_specialize
     ints = [n for n, q in params(add_norm._add_layernorm_kernel).items() if not q.is_constexpr and not n.endswith("_ptr")]
     assert ints == ["eps"]

@@ -1,8 +1,7 @@
 """Our Triton kernels against their torch references, on CPU through Triton's interpreter
 (TRITON_INTERPRET=1, in a subprocess because the flag is read when kernels are defined).
 
-- fused in-place RoPE vs the portable complex multiply, and the same rotation into a buffer padded
-  past the head dim (v copied, the padding zero);
+- fused in-place RoPE vs the portable complex multiply;
 - fused pad + normalize + patchify vs `pad_normalize_patchify` (bit for bit);
 - JPEG chroma upsampling + YCbCr->RGB vs `ycc_to_rgb_reference` (bit for bit, row-strided planes too,
   and a batch of images in one launch).
@@ -76,28 +75,6 @@ for heads, head_dim, per_head_qkv in ((4, 72, True), (5, 12, False), (5, 12, Tru
     qkv = torch.randn(shape).to(torch.float16)
     q, k = (qkv[:, :, 0], qkv[:, :, 1]) if per_head_qkv else (qkv[:, 0], qkv[:, 1])
     check_rope(q, k, freqs, (heads, head_dim, per_head_qkv))
-
-# Rotated into a new buffer padded past the head dim (for flash-attn-4): q and k rotated as above, v
-# copied, the padding zero, the sources untouched.
-from backends.kernels.rope import rope_into_padded
-for tokens, heads, head_dim, padded in ((37, 16, 72, 80), (5, 5, 12, 16), (3, 2, 64, 64)):
-    cfg = EncoderConfig(hidden_size=heads * head_dim, num_heads=heads)
-    freqs = rope_angles_table(cfg, 20, 20)[:tokens]
-    for dtype in (torch.float16, torch.bfloat16):
-        qkv = torch.randn(tokens, 3, heads, head_dim).to(dtype)
-        before = qkv.clone()
-        q, k, v = qkv.unbind(1)
-        out = rope_into_padded(q, k, v, prepare_rope(freqs), padded)
-        assert out.shape == (3, tokens, heads, padded), out.shape
-        assert torch.equal(qkv, before), "the sources must not change"
-        assert torch.equal(out[2, ..., :head_dim], v), "v is copied as it is"
-        assert not out[..., head_dim:].any(), "the padding is zero"
-        for got, x in ((out[0, ..., :head_dim], q), (out[1, ..., :head_dim], k)):
-            exact = exact_cpu_rotate(x, freqs)
-            if dtype == torch.float16:
-                assert torch.equal(got, exact), (tokens, head_dim, dtype)
-            else:
-                torch.testing.assert_close(got, exact, rtol=torch.finfo(dtype).eps, atol=1e-30)
 
 from backends.config import MediaConfig
 from backends.kernels.patchify import normalize_patchify, pad_normalize_patchify
@@ -245,16 +222,3 @@ def test_rejects_fp32_and_mismatched_tables():
     for bad in (table.double(), table.transpose(0, 1).contiguous().transpose(0, 1)):  # float64; strided
         with pytest.raises(ValueError, match="contiguous float32"):
             apply_rope_inplace(q, q.clone(), PreparedRope(bad))
-
-
-def test_the_padded_variant_checks_what_the_in_place_one_checks_and_v():
-    from backends.kernels.rope import PreparedRope, prepare_rope, rope_into_padded
-
-    freqs = torch.polar(torch.ones(4, 36), torch.rand(4, 36))
-    q = torch.zeros(4, 2, 72, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="contiguous float32"):
-        rope_into_padded(q, q.clone(), q.clone(), PreparedRope(prepare_rope(freqs).cos_sin.double()), 80)
-    with pytest.raises(ValueError, match="must match"):
-        rope_into_padded(q, q.clone(), torch.zeros(4, 2, 64, dtype=torch.bfloat16), prepare_rope(freqs), 80)
-    with pytest.raises(ValueError, match="less than the head dim"):
-        rope_into_padded(q, q.clone(), q.clone(), prepare_rope(freqs), 64)
