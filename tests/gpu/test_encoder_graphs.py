@@ -147,7 +147,7 @@ def _bucket_backend():
     from backends.encoder.attention import available_backends
 
     if "fa4" not in available_backends(torch.device(DEV), torch.bfloat16):
-        pytest.skip("flash-attn-4 is not installed (bash lab/gpu.sh fa4a, then fa4b)")
+        pytest.skip("flash-attn-4 is not installed (bash lab/gpu.sh fa4, carrying .whl/fa4)")
     return "fa4"
 
 
