@@ -32,6 +32,7 @@ from backends.deploy.repository import Deployment
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from lab.bench.cases import jpeg, random_sizes
 from lab.bench.results_page import report
+from lab.bench.server_stats import breakdown, model_ns
 
 
 def summary(ms: list[float]) -> str:
@@ -42,23 +43,6 @@ def summary(ms: list[float]) -> str:
 def p90(ms: list[float]) -> float:
     s = sorted(ms)
     return s[int(0.9 * (len(s) - 1))]
-
-
-# The composing models whose time the breakdown shows (the ensemble's own time is their sum plus hand-offs).
-STEPS = ("kimi_placeholder", "kimi_preprocess", "moonvit3d")
-
-
-def model_ns(stats: dict) -> dict[str, int]:
-    """Cumulative queue + compute nanoseconds per model, from a statistics answer (as_json)."""
-    out = {}
-    for m in stats.get("model_stats", []):
-        s = m.get("inference_stats", {})
-        out[m["name"]] = sum(int(s.get(k, {}).get("ns", 0)) for k in ("queue", "compute_input", "compute_infer", "compute_output"))
-    return out
-
-
-def breakdown(before: dict[str, int], after: dict[str, int]) -> str:
-    return ", ".join(f"{name} {(after.get(name, 0) - before.get(name, 0)) / 1e6:.1f}" for name in STEPS)
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,8 @@ requests, each sent twice: the first a miss, the second a hit.
 
 Prints, per (cache, concurrency): images/s over all images sent (repeats included), request p50/p99, and
 on the cache-on server the hit rate and the bytes the cache held at the end (from the server's metrics);
-then the 1024^2 miss and hit p50. On a GPU the embeddings go into one CUDA region registered once (what a
+then the 1024^2 miss and hit p50, and the time each spent in each composing model (the server's
+statistics). On a GPU the embeddings go into one CUDA region registered once (what a
 co-located LLM does, so that what is timed is the service, not the trip back: the issue on embeddings
 out); on CPU through the gRPC response.
 """
@@ -27,12 +28,15 @@ import sys
 import threading
 import time
 
+import tritonclient.grpc as grpcclient
+
 from backends.deploy.launcher import deployment_server, resolve_device
 from backends.deploy.repository import Deployment
 from backends.deploy.supervisor import scrape
 from clients.kimi_client import KimiVisionClient, chat_prompt_ids
 from clients.samples import encode, photo_like
 from lab.bench.results_page import report
+from lab.bench.server_stats import breakdown, model_ns
 
 
 def trace(chats: int, turns: int, sizes: list[int], seed: int = 0) -> list[list[list[bytes]]]:
@@ -155,8 +159,13 @@ def main(argv=None) -> int:
                 rows.append(result)
             if dep.cache_bytes:
                 sender = Sender(server.grpc_url, gpu, capacity)
+                stats = grpcclient.InferenceServerClient(server.grpc_url)
+                reading = [model_ns(stats.get_inference_statistics(as_json=True))]
                 miss = [sender.send(p) for p in pairs]  # first sight: decoded and encoded
+                reading.append(model_ns(stats.get_inference_statistics(as_json=True)))
                 hit = [sender.send(p) for p in pairs]  # again: from the cache
+                reading.append(model_ns(stats.get_inference_statistics(as_json=True)))
+                stats.close()
                 sender.close()
     lines = [f"$ python -m lab.bench.multiturn {' '.join(sys.argv[1:] if argv is None else argv)}",
              f"{platform.node()}, device={device}, checkpoint={args.checkpoint or 'embedded demo'}, "
@@ -172,6 +181,9 @@ def main(argv=None) -> int:
         lines.append(f"\nconcurrency {c}: images/s with the cache {on['images_per_s'] / off['images_per_s']:.2f}x without")
     lines.append(f"1 x 1024^2, {args.pairs} fresh images each sent twice: miss p50 {statistics.median(miss):.1f} ms, "
                  f"hit p50 {statistics.median(hit):.1f} ms = {statistics.median(hit) / statistics.median(miss):.3f}x")
+    lines.append(f"where their time went, mean ms by model (queue + compute; the rest is hand-offs and the client): "
+                 f"miss {statistics.mean(miss):.1f}: {breakdown(reading[0], reading[1], len(pairs))}; "
+                 f"hit {statistics.mean(hit):.1f}: {breakdown(reading[1], reading[2], len(pairs))}")
     report("\n".join(lines), device, args.section)
     return 0
 
