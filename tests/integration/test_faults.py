@@ -117,7 +117,8 @@ def test_each_models_stub_killed_under_load_is_reloaded_alone_and_counted(caplog
         load.thread.start()
         for model in MODELS:
             prefixes.append(server.server.shm_prefix)
-            stubs = {name: pid for name, pid in stub_processes(server.proc.pid, exclude=set(server.buried)).items() if model_of(name) == model}
+            live = stub_processes(server.proc.pid, exclude=set(server.buried))  # not a reloaded model's old stub
+            stubs = {name: pid for name, pid in live.items() if model_of(name) == model}
             assert stubs, f"no stub of {model} found"
             name, pid = next(iter(stubs.items()))
             os.kill(pid, signal.SIGKILL)
